@@ -1,0 +1,39 @@
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from omnistage.models.qwen3_omni.presets import preset_config
+from omnistage.models.qwen3_omni.random_init import random_tensor
+
+torch.set_num_threads(2)
+
+
+@functools.cache
+def hf_reference(preset: str = "tiny", seed: int = 0):
+    """transformers' Qwen3-Omni model on a preset, every tensor seeded by `random_init` (fp32, CPU, eval)."""
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    config = Qwen3OmniMoeConfig(**preset_config(preset))
+    model = Qwen3OmniMoeForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(random_tensor(name, tuple(p.shape), seed))
+    return model
+
+
+def hf_stage_state(model, stage: str) -> dict[str, torch.Tensor]:
+    """The HF model's tensors of one stage under our module names (stage prefix stripped)."""
+    prefix = stage + "."
+    out = {}
+    for name, t in model.state_dict().items():
+        if name.startswith(prefix):
+            out[name[len(prefix):].replace("model.language_model.", "model.")] = t
+    return out
+
+
+@pytest.fixture(params=["tiny", "tiny-wide"])
+def preset(request) -> str:
+    return request.param
