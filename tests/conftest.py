@@ -30,7 +30,8 @@ def hf_stage_state(model, stage: str) -> dict[str, torch.Tensor]:
     out = {}
     for name, t in model.state_dict().items():
         if name.startswith(prefix):
-            out[name[len(prefix):].replace("model.language_model.", "model.")] = t
+            key = name[len(prefix):].replace("model.language_model.", "model.")
+            out[key.replace("model.audio_tower.", "audio_tower.").replace("model.visual.", "visual.")] = t
     return out
 
 
