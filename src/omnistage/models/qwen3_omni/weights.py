@@ -1,0 +1,128 @@
+"""Load one stage's weights from a safetensors checkpoint directory, or make seeded dummy weights.
+
+Our parameter names are the real checkpoint's names with the stage prefix stripped, except that
+MoE experts are held fused per layer (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]).
+The checkpoint may hold per-expert tensors (the real layout) or fused ones, and module paths of
+other transformers versions (`thinker.model.language_model.*`, `thinker.model.audio_tower.*`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from omnistage.models.qwen3_omni.random_init import random_tensor
+
+STAGES = ("thinker", "talker", "code2wav")
+_ALIASES = (
+    ("thinker.model.language_model.", "thinker.model."),
+    ("thinker.model.audio_tower.", "thinker.audio_tower."),
+    ("thinker.model.visual.", "thinker.visual."),
+)
+_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
+
+
+def checkpoint_files(model_dir: str | Path, prefix: str = "") -> list[Path]:
+    """The safetensors files that hold tensors under `prefix` (all files when there is no index)."""
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted({f for k, f in weight_map.items() if _canonical(k).startswith(prefix)})
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model_dir}")
+    return files
+
+
+def iter_checkpoint(model_dir: str | Path, prefix: str, device: str | torch.device = "cpu"
+                    ) -> Iterator[tuple[str, torch.Tensor]]:
+    """(canonical name, tensor) for every tensor whose canonical name starts with `prefix`."""
+    for path in checkpoint_files(model_dir, prefix):
+        with safe_open(str(path), framework="pt", device=str(device)) as f:
+            for key in f.keys():
+                name = _canonical(key)
+                if name.startswith(prefix):
+                    yield name, f.get_tensor(key)
+
+
+def _canonical(name: str) -> str:
+    for old, new in _ALIASES:
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+@torch.no_grad()
+def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> None:
+    """Copy the stage's checkpoint tensors into `module` (already on its device and dtype).
+    Every parameter and persistent buffer must be covered; extra checkpoint tensors are an error."""
+    targets = dict(module.state_dict(keep_vars=True))
+    seen: set[str] = set()
+    device = next(iter(targets.values())).device
+    for name, tensor in iter_checkpoint(model_dir, stage + ".", device="cpu"):
+        local = name[len(stage) + 1:]
+        target, key = _target(targets, local)
+        if target is None:
+            raise KeyError(f"checkpoint tensor {name} has no place in our {stage} module")
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(target.shape)}")
+        target.copy_(tensor.to(device=device, dtype=target.dtype))
+        seen.add(key)
+    missing = [k for k in _expected_keys(targets) if k not in seen]
+    if missing:
+        raise KeyError(f"{stage}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
+
+
+def _target(targets: dict[str, torch.Tensor], local: str) -> tuple[torch.Tensor | None, str]:
+    m = _EXPERT.match(local)
+    if m is None:
+        return targets.get(local), local
+    base, expert, part = m.group(1), int(m.group(2)), m.group(3)
+    if part == "down":
+        fused = targets.get(base + ".down_proj")
+        return (None if fused is None else fused[expert]), f"{base}.{expert}.down"
+    fused = targets.get(base + ".gate_up_proj")
+    if fused is None:
+        return None, local
+    half = fused.shape[1] // 2
+    rows = fused[expert, :half] if part == "gate" else fused[expert, half:]
+    return rows, f"{base}.{expert}.{part}"
+
+
+def _expected_keys(targets: dict[str, torch.Tensor]) -> Iterator[str]:
+    """Names a checkpoint must provide; a fused expert tensor is satisfied by itself or by all its slices."""
+    for name, t in targets.items():
+        if name.endswith(".experts.gate_up_proj"):
+            base = name[: -len(".gate_up_proj")]
+            yield from (f"{base}.{e}.{p}" for e in range(t.shape[0]) for p in ("gate", "up"))
+        elif name.endswith(".experts.down_proj"):
+            base = name[: -len(".down_proj")]
+            yield from (f"{base}.{e}.down" for e in range(t.shape[0]))
+        else:
+            yield name
+
+
+def reference_name(stage: str, local: str) -> str:
+    """Our stage-local name -> transformers' in-memory parameter name (the key `random_init` seeds by)."""
+    if stage == "thinker":
+        if local.startswith("model."):
+            return "thinker.model.language_model." + local[len("model."):]
+        if local.startswith(("audio_tower.", "visual.")):
+            return "thinker.model." + local
+    return f"{stage}.{local}"
+
+
+@torch.no_grad()
+def init_dummy_weights(module: nn.Module, stage: str, seed: int = 0) -> None:
+    """Seeded random weights for every parameter, made on the module's device. On the CPU they equal
+    the tensors `make-tiny` writes for the same architecture and seed."""
+    for name, p in module.named_parameters():
+        p.copy_(random_tensor(reference_name(stage, name), tuple(p.shape), seed, p.dtype, p.device))
