@@ -1,0 +1,67 @@
+"""`omnistage` command line: make-tiny | generate (serve and bench join as they land)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+
+def _make_tiny(args: argparse.Namespace) -> None:
+    from omnistage.models.qwen3_omni.make_tiny import make_tiny
+
+    path = make_tiny(args.dir, seed=args.seed, preset=args.preset)
+    print(f"wrote a tiny random-weight Qwen3-Omni checkpoint to {path}")
+
+
+def _generate(args: argparse.Namespace) -> None:
+    import soundfile as sf
+
+    from omnistage.entrypoints.omni import Omni
+
+    omni = Omni(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype)
+    modalities = ["text"] if args.text_only else ["text", "audio"]
+    out = omni.chat([{"role": "user", "content": args.prompt}], modalities=modalities, voice=args.voice,
+                    sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
+                    talker_sampling={"max_frames": args.max_frames})
+    print(out.text)
+    if out.audio is not None and args.output:
+        sf.write(args.output, out.audio, out.sample_rate, subtype="PCM_16")
+        print(f"wrote {len(out.audio)} samples ({len(out.audio) / out.sample_rate:.2f} s) to {args.output}",
+              file=sys.stderr)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    t = sub.add_parser("make-tiny", help="write a tiny random-weight HF-format Qwen3-Omni directory")
+    t.add_argument("dir")
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--preset", default="tiny")
+    t.set_defaults(func=_make_tiny)
+
+    g = sub.add_parser("generate", help="one chat turn offline: print the text, write the speech")
+    g.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: the built-in tiny one)")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--voice", default="Ethan")
+    g.add_argument("--output", default="out.wav")
+    g.add_argument("--text-only", action="store_true")
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--max-frames", type=int, default=200)
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
+    g.add_argument("--device", default=None)
+    g.add_argument("--dtype", default=None)
+    g.set_defaults(func=_generate)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    func: Callable[[argparse.Namespace], None] = args.func
+    func(args)
+
+
+if __name__ == "__main__":
+    main()
