@@ -1,0 +1,102 @@
+"""Per-forward attention metadata (nano-vllm style), read by every `Attention` layer of a forward.
+
+Decoders run on flat token batches: the new tokens of all sequences concatenated, `[T]`. The engine
+(or `build_context` for tests and simple offline runs) sets a `ForwardContext` around each forward.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    """Metadata of one flat forward over `num_seqs` sequences and `T` new tokens.
+
+    is_prefill: some sequence has more than one new token (False: exactly one new token per sequence).
+    cu_seqlens_q: [num_seqs + 1] int32, offsets of each sequence's new tokens in the flat batch.
+    cu_seqlens_k: [num_seqs + 1] int32, offsets of each sequence's whole context (cached + new).
+    context_lens: [num_seqs] int32, tokens per sequence incl. the new ones (= KV length to attend to).
+    slot_mapping: [T] int64, slot (block * block_size + offset) of each new token in the paged KV cache.
+    block_tables: [num_seqs, max_blocks] int32, the KV blocks of each sequence (padding entries unused).
+    """
+
+    is_prefill: bool = False
+    cu_seqlens_q: torch.Tensor | None = None
+    cu_seqlens_k: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    max_seqlen_k: int = 0
+    context_lens: torch.Tensor | None = None
+    slot_mapping: torch.Tensor | None = None
+    block_tables: torch.Tensor | None = None
+    block_size: int = 0
+
+
+# NOTE: thread-local, because stages (thinker, talker) run forwards concurrently in their own threads.
+_local = threading.local()
+
+
+def get_context() -> ForwardContext:
+    ctx = getattr(_local, "context", None)
+    if ctx is None:
+        raise RuntimeError("no ForwardContext set: wrap the forward in `with forward_context(ctx):`")
+    return ctx
+
+
+def set_context(ctx: ForwardContext | None) -> None:
+    _local.context = ctx
+
+
+def reset_context() -> None:
+    set_context(None)
+
+
+@contextmanager
+def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
+    """Set `ctx` for the enclosed forward; the previous context (if any) is restored on exit."""
+    prev = getattr(_local, "context", None)
+    set_context(ctx)
+    try:
+        yield ctx
+    finally:
+        set_context(prev)
+
+
+def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
+                  block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
+    """Context for sequences that already hold `num_computed[i]` tokens in the cache and append `num_new[i]`."""
+    kv_lens = [c + n for c, n in zip(num_computed, num_new)]
+    slots: list[int] = []
+    for table, start, end in zip(block_tables, num_computed, kv_lens):
+        if math.ceil(end / block_size) > len(table):
+            raise ValueError(f"sequence of {end} tokens needs more than {len(table)} blocks of {block_size}")
+        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    width = max(len(t) for t in block_tables)
+    tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+
+    def cumsum(xs: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([0, *xs], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+
+    return ForwardContext(
+        is_prefill=any(n != 1 for n in num_new),
+        cu_seqlens_q=cumsum(num_new),
+        cu_seqlens_k=cumsum(kv_lens),
+        max_seqlen_q=max(num_new),
+        max_seqlen_k=max(kv_lens),
+        context_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        block_size=block_size,
+    )
+
+
+def contiguous_block_tables(num_seqs: int, max_len: int, block_size: int) -> list[list[int]]:
+    """Trivial allocation: sequence i owns blocks [i * n, (i + 1) * n) with n = ceil(max_len / block_size)."""
+    n = math.ceil(max_len / block_size)
+    return [list(range(i * n, (i + 1) * n)) for i in range(num_seqs)]

@@ -1,0 +1,92 @@
+"""Mixture of experts (Qwen3-MoE): softmax router, top-k, SwiGLU experts held fused per layer.
+
+Expert weights: `gate_up_proj [E, 2I, H]` (gate rows first, then up) and `down_proj [E, H, I]`,
+the in-memory layout of transformers. `fused_experts` is the ONE place that picks the path:
+- reference: loop over the experts that were hit (plain torch, CPU / tests; host syncs);
+- grouped: tokens sorted by expert, two `torch._grouped_mm` calls (CUDA bf16). Per-expert row
+  counts come from `scatter_add_` rather than `bincount` / `histc`, so there is no host sync and the
+  path is CUDA-graph capturable; the top-k outputs are un-permuted with `index_copy_` and summed in
+  a fixed order (deterministic, no atomics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.layers.mlp import SwiGLUMLP
+
+
+def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] in the logits dtype, expert ids [T, k]); softmax in fp32."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights.to(router_logits.dtype), ids
+
+
+def fused_experts_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                            weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    out = torch.zeros_like(x)
+    for e in ids.unique().tolist():
+        token, slot = torch.where(ids == e)
+        gate, up = F.linear(x[token], w_gate_up[e]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w_down[e]) * weights[token, slot, None]
+        out.index_add_(0, token, y)
+    return out
+
+
+def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                          weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+    offs = counts.cumsum(0, dtype=torch.int32)
+    gate, up = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
+    y = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    y = y * weights.flatten()[order, None]
+    return torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Path choice: grouped GEMM on CUDA bf16, the reference loop otherwise."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids)
+    return fused_experts_reference(x, w_gate_up, w_down, weights, ids)
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    """Router `gate` + routed `experts`; with `shared_intermediate_size > 0` also a shared SwiGLU
+    expert scaled by `sigmoid(shared_expert_gate(x))` (the talker's block)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 norm_topk_prob: bool, shared_intermediate_size: int = 0) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size)
+        shared = shared_intermediate_size > 0
+        self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared else None
+        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
+        out = self.experts(x, weights, ids)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out

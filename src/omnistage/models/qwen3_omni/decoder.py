@@ -1,0 +1,150 @@
+"""Generic Qwen3(-MoE) decoder on flat token batches, shared by the thinker, the talker and the code predictor.
+
+- thinker: MoE layers without a shared expert, interleaved M-RoPE;
+- talker: MoE layers with a sigmoid-gated shared expert, interleaved M-RoPE;
+- code predictor: dense SwiGLU layers, 1-D RoPE (no `mrope_section`).
+Every attention has q/k RMSNorm over head_dim (before RoPE) and reads the paged KV cache through the
+`ForwardContext` (see `omnistage.layers.context`). Module names mirror the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+from torch import nn
+
+from omnistage.layers.attention import Attention
+from omnistage.layers.mlp import SwiGLUMLP
+from omnistage.layers.moe import SparseMoeBlock
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    mrope_section: tuple[int, ...] | None = None
+    rms_norm_eps: float = 1e-6
+    attention_bias: bool = False
+    vocab_size: int = 0
+    intermediate_size: int = 0
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    shared_expert_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    decoder_sparse_step: int = 1
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> DecoderConfig:
+        """From a transformers text-config dict (`thinker_config.text_config`, `talker_config.text_config`,
+        `talker_config.code_predictor_config`)."""
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {d['hidden_act']!r}")
+        rope = d.get("rope_parameters") or d.get("rope_scaling") or {}
+        if rope.get("rope_type", "default") != "default":
+            raise ValueError(f"unsupported rope_type {rope['rope_type']!r}")
+        heads = d["num_attention_heads"]
+        mrope = rope.get("mrope_section")
+        return cls(
+            hidden_size=d["hidden_size"], num_hidden_layers=d["num_hidden_layers"], num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rope_theta=rope.get("rope_theta", d.get("rope_theta", 10000.0)),
+            mrope_section=tuple(mrope) if mrope else None,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6), attention_bias=d.get("attention_bias", False),
+            vocab_size=d.get("vocab_size", 0), intermediate_size=d.get("intermediate_size", 0),
+            num_experts=d.get("num_experts", 0), num_experts_per_tok=d.get("num_experts_per_tok", 0),
+            moe_intermediate_size=d.get("moe_intermediate_size", 0), norm_topk_prob=d.get("norm_topk_prob", True),
+            shared_expert_intermediate_size=d.get("shared_expert_intermediate_size") or 0,
+            mlp_only_layers=tuple(d.get("mlp_only_layers") or ()), decoder_sparse_step=d.get("decoder_sparse_step", 1),
+        )
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return (self.num_experts > 0 and layer_idx not in self.mlp_only_layers
+                and (layer_idx + 1) % self.decoder_sparse_step == 0)
+
+
+class Deepstack(NamedTuple):
+    """Visual DeepStack rows: `embeds[i]` ([N, H]) is added at flat token rows `index` ([N]) after layer i."""
+
+    index: torch.Tensor
+    embeds: Sequence[torch.Tensor]
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        h, nh, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.head_dim = hd
+        self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, kv * hd, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, kv * hd, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias=cfg.attention_bias)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.attn = Attention(nh, kv, hd, hd**-0.5)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = apply_rotary_emb(self.q_norm(self.q_proj(x).view(t, -1, self.head_dim)), cos, sin)
+        k = apply_rotary_emb(self.k_norm(self.k_proj(x).view(t, -1, self.head_dim)), cos, sin)
+        v = self.v_proj(x).view(t, -1, self.head_dim)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DecoderConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg)
+        if cfg.is_moe_layer(layer_idx):
+            self.mlp: nn.Module = SparseMoeBlock(
+                cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size,
+                cfg.norm_topk_prob, cfg.shared_expert_intermediate_size)
+        else:
+            self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    """`layers` + final `norm` (+ RoPE tables); subclasses add their embeddings."""
+
+    def __init__(self, cfg: DecoderConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
+
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture_layer: int | None = None,
+                deepstack: Deepstack | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Flat `inputs_embeds [T, H]`, `positions [T]` or `[3, T]` -> (final hidden after `norm`, captured).
+
+        `captured` is transformers' `hidden_states[capture_layer]`: 0 = the inputs, i = the output of
+        layer i-1 (before any DeepStack addition), num_layers = the final normed hidden (transformers
+        puts the normed state last)."""
+        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        h = inputs_embeds
+        captured = h if capture_layer == 0 else None
+        for i, layer in enumerate(self.layers):
+            h = layer(h, cos, sin)
+            if capture_layer == i + 1:
+                captured = h
+            if deepstack is not None and i < len(deepstack.embeds):
+                h = h.index_add(0, deepstack.index, deepstack.embeds[i].to(h.dtype))
+        h = self.norm(h)
+        return h, (h if capture_layer == len(self.layers) else captured)
