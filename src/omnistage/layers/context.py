@@ -100,3 +100,23 @@ def contiguous_block_tables(num_seqs: int, max_len: int, block_size: int) -> lis
     """Trivial allocation: sequence i owns blocks [i * n, (i + 1) * n) with n = ceil(max_len / block_size)."""
     n = math.ceil(max_len / block_size)
     return [list(range(i * n, (i + 1) * n)) for i in range(num_seqs)]
+
+
+class StaticBlockAllocator:
+    """Fixed blocks per sequence (`contiguous_block_tables`) and a running token count: enough to run
+    prefill + decode of a few sequences without the engine's scheduler (tests, simple offline runs)."""
+
+    def __init__(self, num_seqs: int, max_len: int, block_size: int, device: torch.device | str = "cpu") -> None:
+        self.block_tables = contiguous_block_tables(num_seqs, max_len, block_size)
+        self.num_blocks = num_seqs * len(self.block_tables[0])
+        self.block_size, self.device = block_size, device
+        self.num_computed = [0] * num_seqs
+
+    def context(self, num_new: Sequence[int], seq_ids: Sequence[int] | None = None) -> ForwardContext:
+        """Context for appending `num_new[j]` tokens to sequence `seq_ids[j]` (default: all, in order)."""
+        seq_ids = list(range(len(self.num_computed))) if seq_ids is None else list(seq_ids)
+        ctx = build_context([self.num_computed[i] for i in seq_ids], num_new,
+                            [self.block_tables[i] for i in seq_ids], self.block_size, self.device)
+        for i, n in zip(seq_ids, num_new):
+            self.num_computed[i] += n
+        return ctx
