@@ -54,8 +54,9 @@ def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Path choice: grouped GEMM on CUDA bf16, the reference loop otherwise."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+    """Path choice: grouped GEMM on CUDA bf16 (rows must be 16-byte aligned), the reference loop otherwise."""
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w_down.shape[-1]))
+    if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
         return fused_experts_grouped(x, w_gate_up, w_down, weights, ids)
     return fused_experts_reference(x, w_gate_up, w_down, weights, ids)
 
