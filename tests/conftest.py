@@ -38,3 +38,12 @@ def hf_stage_state(model, stage: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(params=["tiny", "tiny-wide"])
 def preset(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(request):
+    """A `make-tiny` folder (seed 0), written once into omnistage's cache. Preset "tiny" unless parametrised:
+    `@pytest.mark.parametrize("tiny_dir", ["tiny-wide"], indirect=True)`."""
+    from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+    return tiny_checkpoint(getattr(request, "param", "tiny"), 0)

@@ -1,0 +1,141 @@
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import hf_reference
+from safetensors import safe_open
+
+from omnistage.models.qwen3_omni.checkpoint_io import INDEX_FILE, SINGLE_FILE, checkpoint_files
+from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_tensors, checkpoint_to_hf_name, expert_slot
+from omnistage.models.qwen3_omni.make_tiny import hf_parameter_shapes, main_make_tiny, make_tiny, tiny_checkpoint
+from omnistage.models.qwen3_omni.presets import preset_config
+
+
+def read_checkpoint_file(file: Path) -> dict[str, torch.Tensor]:
+    with safe_open(str(file), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    return {k: v for file in checkpoint_files(path) for k, v in read_checkpoint_file(file).items()}
+
+
+def file_hashes(path: Path) -> dict[str, str]:
+    return {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in sorted(path.iterdir())}
+
+
+def test_names_round_trip_and_fuse_back():
+    params = hf_parameter_shapes(preset_config("tiny"))
+    seen = set()
+    for hf_name, shape in params:
+        fused = torch.randn(shape)
+        rebuilt = torch.full_like(fused, float("nan"))
+        for name, t in checkpoint_tensors(hf_name, fused):
+            assert checkpoint_to_hf_name(name) == hf_name
+            assert name not in seen
+            seen.add(name)
+            slot = expert_slot(name)
+            (rebuilt if slot is None else slot.view(rebuilt)).copy_(t)
+        assert torch.equal(rebuilt, fused), hf_name
+    # 4 thinker layers x 8 experts x 3 + 2 talker layers x 8 x 3 per-expert tensors
+    assert sum(expert_slot(n) is not None for n in seen) == 4 * 8 * 3 + 2 * 8 * 3
+    assert not any(".language_model." in n or "thinker.model.audio_tower" in n for n in seen)
+
+
+def test_layout_and_values_equal_hf_save_pretrained(preset, tmp_path):
+    """transformers 5.24's save_pretrained of the seeded reference writes exactly our names and bytes."""
+    ours = read_checkpoint(tiny_checkpoint(preset))
+    hf_reference(preset, 0).save_pretrained(tmp_path)
+    theirs = read_checkpoint(tmp_path)
+    assert sorted(ours) == sorted(theirs)
+    assert all(torch.equal(ours[k], theirs[k]) and ours[k].dtype == torch.float32 for k in ours)
+    assert "thinker.model.layers.0.mlp.experts.7.down_proj.weight" in ours
+    assert "thinker.audio_tower.conv2d1.weight" in ours and "thinker.visual.pos_embed.weight" in ours
+
+
+def test_from_pretrained_loads_identical_weights(preset):
+    from transformers import AutoConfig, Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    path = tiny_checkpoint(preset)
+    assert isinstance(AutoConfig.from_pretrained(path), Qwen3OmniMoeConfig)
+    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(path, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    ref = hf_reference(preset, 0).state_dict()
+    loaded = model.state_dict()
+    assert loaded.keys() == ref.keys()
+    assert [k for k in ref if not torch.equal(loaded[k], ref[k])] == []
+
+
+def test_overrides_shard_and_load(tmp_path):
+    from transformers import Qwen3OmniMoeForConditionalGeneration
+
+    overrides = {"thinker_config": {"text_config": {"num_hidden_layers": 1, "num_experts": 5, "num_experts_per_tok": 1}},
+                 "talker_config": {"text_config": {"num_experts": 3, "num_hidden_layers": 1}},
+                 "code2wav_config": {"num_hidden_layers": 1}}
+    out = make_tiny(tmp_path / "m", seed=3, overrides=overrides, max_shard_bytes=30 * 10**6)
+    config = json.loads((out / "config.json").read_text())
+    assert config["thinker_config"]["text_config"]["hidden_size"] == 64  # preset values kept
+    index = json.loads((out / INDEX_FILE).read_text())
+    files = checkpoint_files(out)
+    shard_tensors = [read_checkpoint_file(f) for f in files]
+    # audio+vision | embed_tokens (38.9 MB, alone) | thinker layer+norm | lm_head (alone) | talker+code2wav
+    assert [len(t) for t in shard_tensors][1::2] == [1, 1] and len(files) == 5
+    assert all(sum(x.numel() * 4 for x in t.values()) <= 30 * 10**6 for t in shard_tensors if len(t) > 1)
+    tensors = read_checkpoint(out)
+    assert index["metadata"]["total_size"] == sum(t.numel() * 4 for t in tensors.values())
+    assert sorted(index["weight_map"]) == sorted(tensors)
+    assert sum(".mlp.experts." in n for n in tensors) == 1 * 5 * 3 + 1 * 3 * 3
+    model, info = Qwen3OmniMoeForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert {k: v for k, v in info.items() if v} == {}
+    assert len(model.thinker.model.language_model.layers) == 1
+    gate_up = model.talker.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(gate_up[2, 16:], tensors["talker.model.layers.0.mlp.experts.2.up_proj.weight"])
+
+
+def test_deterministic_bytes_and_seed(tmp_path):
+    a, b = make_tiny(tmp_path / "a", seed=0), make_tiny(tmp_path / "b", seed=0)
+    assert file_hashes(a) == file_hashes(b)
+    assert file_hashes(a) == file_hashes(tiny_checkpoint("tiny", 0))
+    c = make_tiny(tmp_path / "c", seed=1, max_shard_bytes=10**12)
+    assert (c / SINGLE_FILE).exists() and not (c / INDEX_FILE).exists()
+    ta, tc = read_checkpoint(a), read_checkpoint(c)
+    assert ta.keys() == tc.keys()
+    assert not torch.equal(ta["thinker.lm_head.weight"], tc["thinker.lm_head.weight"])
+
+
+def test_tiny_checkpoint_cache(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path / "cache"))
+    first = tiny_checkpoint("tiny", 5)
+    stamp = (first / "config.json").stat().st_mtime_ns
+    assert tiny_checkpoint("tiny", 5) == first and (first / "config.json").stat().st_mtime_ns == stamp
+    assert first.parent == tmp_path / "cache" / "tiny" and first.name.startswith("tiny-5-")
+    assert main_make_tiny([str(tmp_path / "cli"), "--seed", "5"]) == 0
+    assert file_hashes(tmp_path / "cli") == file_hashes(first)
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_generation_config_and_feature_extractor(tiny_dir):
+    from transformers import AutoFeatureExtractor, GenerationConfig, WhisperFeatureExtractor
+
+    gen = GenerationConfig.from_pretrained(tiny_dir)
+    assert gen.eos_token_id == [151645, 151643] and gen.pad_token_id == 151643
+    fe = AutoFeatureExtractor.from_pretrained(tiny_dir)
+    assert type(fe) is WhisperFeatureExtractor
+    assert (fe.feature_size, fe.sampling_rate, fe.hop_length) == (128, 16000, 160)
+
+
+def test_image_processor_matches_vision_config(tiny_dir):
+    pytest.importorskip("PIL")
+    import numpy as np
+    from transformers import AutoImageProcessor
+
+    ip = AutoImageProcessor.from_pretrained(tiny_dir)
+    assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16, 2, 2)
+    image = np.random.default_rng(0).integers(0, 255, (256, 256, 3), dtype=np.uint8)
+    out = ip(images=[image], return_tensors="pt")
+    assert out.image_grid_thw.tolist() == [[1, 16, 16]]  # 256 px / 16 px patches
+    assert tuple(out.pixel_values.shape) == (256, 3 * 2 * 16 * 16)
