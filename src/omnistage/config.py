@@ -1,0 +1,278 @@
+"""Deploy config: per-stage placement, batching, memory and CUDA-graph knobs, loaded from YAML.
+
+Precedence: CLI overrides > `platforms:` entry of the platform > file > built-in defaults.
+Errors name the key path: "stages.talker.max_batch_size: must be a positive integer, got -1".
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Callable
+
+import yaml
+
+from omnistage.platform import PLATFORMS, detect_platform, platform_from_name
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
+
+DEPLOY_DIR = Path(__file__).parent / "deploy"
+STAGE_NAMES = ("thinker", "talker", "code2wav")
+DTYPES = ("bfloat16", "float16", "float32")
+
+
+class ConfigError(ValueError):
+    """A deploy config problem; the message starts with the offending key path."""
+
+
+class _Invalid(Exception):
+    pass
+
+
+def _rule(ok: Callable[[Any], bool], why: str, convert: Callable[[Any], Any] = copy.deepcopy) -> Callable:
+    def check(v: Any) -> Any:
+        if not ok(v):
+            raise _Invalid(why)
+        return convert(v)
+    return check
+
+
+def _is_int(v: Any, minimum: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
+
+
+def _is_memory(v: Any) -> bool:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    return 0 < v <= 1 or (v > 1 and float(v).is_integer())
+
+
+_positive_int = _rule(lambda v: _is_int(v, 1), "must be a positive integer")
+_bool = _rule(lambda v: isinstance(v, bool), "must be true or false")
+_devices = _rule(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x, 0) for x in v),
+                 "must be a non-empty list of device indices >= 0", tuple)
+_sizes = _rule(lambda v: isinstance(v, (list, tuple)) and all(_is_int(x, 1) for x in v),
+               "must be a list of positive integers", tuple)
+_memory = _rule(_is_memory, "must be a fraction in (0, 1] of device memory or a whole number of bytes",
+                lambda v: int(v) if v > 1 else v)
+_dtype = _rule(lambda v: v in DTYPES, f"must be one of {', '.join(DTYPES)}")
+_mapping = _rule(lambda v: isinstance(v, dict), "must be a mapping")
+
+
+def _opt(default: Any, check: Callable[[Any], Any]) -> Any:
+    return field(default=default, metadata={"check": check})
+
+
+def _sub(cls: type) -> Any:
+    return field(default_factory=cls, metadata={"config": cls})
+
+
+@dataclass(frozen=True)
+class StageConfig:
+    """`kv_cache_memory`: share of the device's total memory (<= 1) or bytes (> 1); `max_num_batched_tokens`:
+    token budget of one step; replica i runs on `devices[i % len(devices)]`; `sampling`: default fields of
+    SamplingParams (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
+
+    devices: tuple[int, ...] = _opt((0,), _devices)
+    replicas: int = _opt(1, _positive_int)
+    max_batch_size: int = _opt(64, _positive_int)
+    max_num_batched_tokens: int = _opt(8192, _positive_int)
+    kv_cache_memory: float | int = _opt(0.1, _memory)
+    block_size: int = _opt(16, _positive_int)
+    cuda_graph: bool = _opt(False, _bool)
+    cuda_graph_batch_sizes: tuple[int, ...] = _opt((), _sizes)
+    dtype: str = _opt("bfloat16", _dtype)
+    sampling: dict = field(default_factory=dict, metadata={"check": _mapping})
+
+    @property
+    def replica_devices(self) -> tuple[int, ...]:
+        return tuple(self.devices[i % len(self.devices)] for i in range(self.replicas))
+
+    def graph_batch_sizes(self) -> list[int]:
+        """Ascending: the configured sizes, else 1, 2, 4, 8, 16, 32, ... and max_batch_size."""
+        n = self.max_batch_size
+        default = [*(s for s in (1, 2, 4, 8) if s < n), *range(16, n, 16), n]
+        return sorted(set(self.cuda_graph_batch_sizes or default))
+
+
+@dataclass(frozen=True)
+class ConnectorConfig:
+    """Talker -> code2wav: the first chunk after `initial_codec_chunk_frames` frames, then every
+    `codec_chunk_frames`."""
+
+    initial_codec_chunk_frames: int = _opt(4, _positive_int)
+    codec_chunk_frames: int = _opt(25, _positive_int)
+
+
+@dataclass(frozen=True)
+class Stages:
+    thinker: StageConfig = _sub(StageConfig)
+    talker: StageConfig = _sub(StageConfig)
+    code2wav: StageConfig = _sub(StageConfig)
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """`async_chunk`: the talker consumes thinker rows as they are produced (False: it starts after the
+    thinker finished). `async_output`: the host handles step N's outputs while step N+1 runs."""
+
+    stages: Stages = _sub(Stages)
+    connector: ConnectorConfig = _sub(ConnectorConfig)
+    async_chunk: bool = _opt(True, _bool)
+    async_output: bool = _opt(True, _bool)
+
+    def stage(self, name: str) -> StageConfig:
+        return getattr(self.stages, name)
+
+    def to_dict(self) -> dict:
+        """Plain values; `build_deploy_config(cfg.to_dict(), platform)` gives it back."""
+        return json.loads(json.dumps(asdict(self)))
+
+    def describe(self) -> str:
+        """The effective config in one line, for the start-up log."""
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+
+def build_deploy_config(data: dict, platform: str) -> DeployConfig:
+    """Validate `data` merged over the built-in defaults, for `platform` (one of PLATFORMS)."""
+    config = _build(DeployConfig, _merge(DeployConfig().to_dict(), data), "")
+    for name in STAGE_NAMES:
+        _check_stage(name, config.stage(name), platform)
+    return config
+
+
+def load_deploy_config(
+    path: str | Path,
+    platform: str | None = None,
+    stage_overrides: str | dict | None = None,
+    overrides: dict | None = None,
+) -> DeployConfig:
+    """Load a deploy YAML for `platform` (default: detected). `stage_overrides` (JSON text or dict, keyed by
+    stage name) and `overrides` (top-level keys, e.g. {"async_chunk": False}) come from the CLI."""
+    platform = platform or detect_platform()
+    platform_from_name(platform)
+    raw = _read_yaml(Path(path))
+    entries = raw.pop("platforms", None) or {}
+    _check_entries(raw, entries, platform)
+    data = _merge(raw, entries.get(platform) or {})
+    data = _merge(data, overrides or {})
+    stages = _parse_stage_overrides(stage_overrides)
+    return build_deploy_config(_merge(data, {"stages": stages}) if stages else data, platform)
+
+
+def default_deploy_config(model_dir: str | Path) -> Path:
+    """The packaged deploy YAML for the checkpoint's config.json `model_type`."""
+    config_file = Path(model_dir) / "config.json"
+    if not config_file.is_file():
+        raise ConfigError(f"{config_file}: not found, so no deploy config can be chosen for it")
+    model_type = json.loads(config_file.read_text()).get("model_type")
+    path = DEPLOY_DIR / f"{model_type}.yaml"
+    if not path.is_file():
+        have = sorted(p.stem for p in DEPLOY_DIR.glob("*.yaml"))
+        raise ConfigError(f"no deploy config for model_type {model_type!r} (have: {', '.join(have)}); "
+                          "pass one with --deploy-config")
+    return path
+
+
+def _build(cls: type, data: Any, path: str) -> Any:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path or '<root>'}: must be a mapping, got {data!r}")
+    known = {f.name: f for f in fields(cls)}
+    unknown = [_join(path, k) for k in data if k not in known]
+    if unknown:
+        raise ConfigError(f"{', '.join(unknown)}: unknown key (known: {', '.join(known)})")
+    kwargs = {}
+    for name, f in known.items():
+        key, value = _join(path, name), data[name]
+        if "config" in f.metadata:
+            kwargs[name] = _build(f.metadata["config"], value, key)
+            continue
+        try:
+            kwargs[name] = f.metadata["check"](value)
+        except _Invalid as e:
+            raise ConfigError(f"{key}: {e}, got {value!r}") from None
+    return cls(**kwargs)
+
+
+def _check_stage(name: str, stage: StageConfig, platform: str) -> None:
+    n, big = stage.max_batch_size, [s for s in stage.cuda_graph_batch_sizes if s > stage.max_batch_size]
+    problems = [
+        (name == "thinker" and stage.replicas != 1, "replicas", 
+         f"must be 1 for the thinker, got {stage.replicas}"),
+        (len(stage.devices) > stage.replicas, "devices",
+         f"{len(stage.devices)} devices for {stage.replicas} replica(s); list at most one per replica"),
+        (stage.max_num_batched_tokens < n, "max_num_batched_tokens",
+         f"must be >= max_batch_size ({n}), got {stage.max_num_batched_tokens}"),
+        (bool(big), "cuda_graph_batch_sizes", f"must be <= max_batch_size ({n}), got {big}"),
+        (stage.cuda_graph and not platform_from_name(platform).supports_cuda_graph, "cuda_graph",
+         f"CUDA graphs are not available on platform {platform!r}"),
+    ]
+    for bad, key, why in problems:
+        if bad:
+            raise ConfigError(f"stages.{name}.{key}: {why}")
+    _check_sampling(name, stage.sampling)
+
+
+def _check_sampling(name: str, sampling: dict) -> None:
+    cls = {"thinker": SamplingParams, "talker": TalkerSamplingParams}.get(name)
+    if cls is None:
+        if sampling:
+            raise ConfigError(f"stages.{name}.sampling: {name} does not sample, got {sampling!r}")
+        return
+    try:
+        from_dict(cls, sampling)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"stages.{name}.sampling: {e}") from None
+
+
+def _check_entries(raw: dict, entries: Any, platform: str) -> None:
+    """Every entry must name a platform and give a valid config, not only the detected one."""
+    if not isinstance(entries, dict):
+        raise ConfigError(f"platforms: must be a mapping, got {entries!r}")
+    for name, entry in entries.items():
+        if name not in PLATFORMS:
+            raise ConfigError(f"platforms.{name}: unknown platform (known: {', '.join(PLATFORMS)})")
+        if not isinstance(entry or {}, dict):
+            raise ConfigError(f"platforms.{name}: must be a mapping, got {entry!r}")
+        if name == platform:
+            continue
+        try:
+            build_deploy_config(_merge(raw, entry or {}), name)
+        except ConfigError as e:
+            raise ConfigError(f"platforms.{name}: {e}") from None
+
+
+def _read_yaml(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError(f"{path}: deploy config not found")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: must hold a mapping at the top level")
+    return raw
+
+
+def _parse_stage_overrides(value: str | dict | None) -> dict:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"--stage-overrides: invalid JSON ({e})") from None
+    if not isinstance(value or {}, dict):
+        raise ConfigError(f"--stage-overrides: must be a JSON object keyed by stage name, got {value!r}")
+    return value or {}
+
+
+def _merge(base: dict, over: dict) -> dict:
+    """Deep merge: mappings merge key by key, anything else in `over` replaces."""
+    out = copy.deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
