@@ -1,0 +1,177 @@
+"""Prometheus text exposition (format 0.0.4) of the server's metrics, without prometheus_client.
+
+RTF here is (last audio chunk - arrival) / audio seconds: below 1 is faster than real time.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import threading
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 10.0, 20.0, 60.0)
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0)
+
+
+class _Metric:
+    kind = ""
+
+    def __init__(self, name: str, help: str, labels: tuple[str, ...] = ()) -> None:
+        self.name, self.help, self.labels = name, help, labels
+        self._values: dict[tuple[str, ...], object] = {}
+        self._lock = threading.Lock()
+
+    def _key(self, labels: dict[str, object]) -> tuple[str, ...]:
+        if set(labels) != set(self.labels):
+            raise ValueError(f"{self.name}: labels must be {self.labels}, got {tuple(labels)}")
+        return tuple(str(labels[k]) for k in self.labels)
+
+    def _series(self, key: tuple[str, ...], extra: str = "") -> str:
+        pairs = [f'{k}="{_escape(v)}"' for k, v in zip(self.labels, key)] + ([extra] if extra else [])
+        return "{" + ",".join(pairs) + "}" if pairs else ""
+
+    def render(self) -> list[str]:
+        lines = [f"# HELP {self.name} {self.help}", f"# TYPE {self.name} {self.kind}"]
+        with self._lock:
+            for key, value in sorted(self._values.items()):
+                lines += self._samples(key, value)
+        return lines
+
+    def _samples(self, key: tuple[str, ...], value: object) -> list[str]:
+        return [f"{self.name}{self._series(key)} {_num(value)}"]
+
+
+class Counter(_Metric):
+    kind = "counter"
+
+    def inc(self, amount: float = 1.0, **labels: object) -> None:
+        if amount < 0:
+            raise ValueError(f"{self.name}: a counter only goes up, got {amount}")
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = self._values.get(key, 0.0) + amount
+
+
+class Gauge(_Metric):
+    kind = "gauge"
+
+    def set(self, value: float, **labels: object) -> None:
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = float(value)
+
+
+class Histogram(_Metric):
+    kind = "histogram"
+
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> None:
+        super().__init__(name, help, labels)
+        self.buckets = tuple(sorted(buckets))
+
+    def observe(self, value: float, **labels: object) -> None:
+        key = self._key(labels)
+        with self._lock:
+            counts, total = self._values.get(key, ([0] * (len(self.buckets) + 1), 0.0))
+            counts[bisect.bisect_left(self.buckets, value)] += 1
+            self._values[key] = (counts, total + value)
+
+    def _samples(self, key: tuple[str, ...], value: object) -> list[str]:
+        counts, total = value
+        lines, running = [], 0
+        for bound, count in zip([*self.buckets, math.inf], counts):
+            running += count
+            le = f'le="{_num(bound)}"'
+            lines.append(f"{self.name}_bucket{self._series(key, le)} {running}")
+        return lines + [f"{self.name}_sum{self._series(key)} {_num(total)}",
+                        f"{self.name}_count{self._series(key)} {running}"]
+
+
+class ServerMetrics:
+    """The metrics the server and the stages update; `render()` is the /metrics body."""
+
+    def __init__(self, prefix: str = "omnistage") -> None:
+        p = prefix
+        self.requests = Counter(f"{p}_requests_total", "HTTP requests by endpoint and status code.",
+                                ("endpoint", "status"))
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first text token.", LATENCY_BUCKETS)
+        self.ttfp = Histogram(f"{p}_time_to_first_audio_seconds", "Arrival to first audio chunk.",
+                              LATENCY_BUCKETS)
+        self.rtf = Histogram(f"{p}_audio_rtf", "(Last audio chunk - arrival) / audio seconds.", RTF_BUCKETS)
+        self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.batch_size = Gauge(f"{p}_stage_batch_size", "Requests in the stage's last step.", ("stage",))
+        self.queue_depth = Gauge(f"{p}_stage_queue_depth", "Requests waiting for the stage.", ("stage",))
+        self.kv_blocks_used = Gauge(f"{p}_kv_cache_blocks_in_use", "KV cache blocks in use.", ("stage",))
+        self.kv_blocks_total = Gauge(f"{p}_kv_cache_blocks_total", "KV cache blocks allocated.", ("stage",))
+        self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
+                     self.queue_depth, self.kv_blocks_used, self.kv_blocks_total]
+
+    def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
+                      kv_blocks_total: int | None = None) -> None:
+        self.batch_size.set(batch_size, stage=stage)
+        self.queue_depth.set(queue_depth, stage=stage)
+        if kv_blocks_used is not None:
+            self.kv_blocks_used.set(kv_blocks_used, stage=stage)
+        if kv_blocks_total is not None:
+            self.kv_blocks_total.set(kv_blocks_total, stage=stage)
+
+    def observe_finished(self, e2e: float, ttft: float | None = None, ttfp: float | None = None,
+                         audio_seconds: float = 0.0, last_audio: float | None = None) -> None:
+        """Times in seconds since the request arrived; `last_audio` = time of the last audio chunk."""
+        self.e2e.observe(e2e)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+        if ttfp is not None:
+            self.ttfp.observe(ttfp)
+        if audio_seconds > 0 and last_audio is not None:
+            self.rtf.observe(last_audio / audio_seconds)
+
+    def render(self) -> str:
+        return "\n".join(line for m in self._all for line in m.render()) + "\n"
+
+
+def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Count every HTTP request by route and status, and serve GET /metrics."""
+    app.add_middleware(_CountRequests, metrics=metrics)
+
+    @app.get("/metrics", include_in_schema=False)
+    async def _metrics() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+class _CountRequests:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = 500
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            # NOTE: the route template, not the raw path, so unknown URLs cannot blow up the label set.
+            route = getattr(scope.get("route"), "path", "unmatched")
+            self.metrics.requests.inc(endpoint=route, status=status)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def _num(value: object) -> str:
+    v = float(value)
+    if math.isinf(v):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(int(v)) if v.is_integer() else repr(v)

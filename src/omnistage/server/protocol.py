@@ -1,0 +1,334 @@
+"""OpenAI-compatible requests (+ documented extensions), their conversion to sampling params, and responses.
+
+Extensions to OpenAI's chat request: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
+use_audio_in_video, max_audio_frames, and a `talker` block (codec sampling; top-level `seed` seeds it too).
+Sampling = deploy defaults (`stages.<stage>.sampling`) overridden by the fields a request sets.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Iterable, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from omnistage.outputs import Usage
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
+from omnistage.server.audio_format import check_format
+from omnistage.server.errors import bad_request
+
+AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
+AUDIO_TTL_S = 24 * 3600
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Media(_Strict):
+    """Per-part knobs of qwen-omni-utils."""
+
+    fps: float | None = Field(None, gt=0)
+    nframes: int | None = Field(None, ge=1)
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
+    resized_height: int | None = Field(None, ge=1)
+    resized_width: int | None = Field(None, ge=1)
+    audio_start: float | None = Field(None, ge=0)
+    audio_end: float | None = Field(None, ge=0)
+    video_start: float | None = Field(None, ge=0)
+    video_end: float | None = Field(None, ge=0)
+
+
+class URL(_Strict):
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class InputAudio(_Strict):
+    data: str
+    format: str
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ImageURLPart(_Media):
+    type: Literal["image_url"]
+    image_url: URL
+
+
+class InputAudioPart(_Media):
+    type: Literal["input_audio"]
+    input_audio: InputAudio
+
+
+class AudioURLPart(_Media):
+    type: Literal["audio_url"]
+    audio_url: URL
+
+
+class VideoURLPart(_Media):
+    type: Literal["video_url"]
+    video_url: URL
+
+
+class AudioPart(_Media):
+    type: Literal["audio"]
+    audio: str
+
+
+class ImagePart(_Media):
+    type: Literal["image"]
+    image: str
+
+
+class VideoPart(_Media):
+    type: Literal["video"]
+    video: str | list[str]
+
+
+ContentPart = Annotated[
+    Union[TextPart, ImageURLPart, InputAudioPart, AudioURLPart, VideoURLPart, AudioPart, ImagePart, VideoPart],
+    Field(discriminator="type"),
+]
+
+
+class AudioRef(_Strict):
+    id: str
+
+
+class ChatMessage(_Strict):
+    """`content` is always a list of parts (a string becomes one text part); `audio` references a previous
+    audio answer by id (assistant history)."""
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: list[ContentPart] | None = None
+    name: str | None = None
+    audio: AudioRef | None = None
+    tool_call_id: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_to_part(cls, v: Any) -> Any:
+        return [{"type": "text", "text": v}] if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _check_role(self) -> ChatMessage:
+        if self.role != "user" and any(p.type != "text" for p in self.content or []):
+            raise ValueError(f"{self.role} messages take text content only")
+        if self.audio is not None and self.role != "assistant":
+            raise ValueError("only assistant messages reference audio")
+        if self.content is None and self.audio is None:
+            raise ValueError("content is required")
+        return self
+
+
+class AudioParams(_Strict):
+    voice: str = "Ethan"
+    format: AudioFormat = "wav"
+
+    @field_validator("format")
+    @classmethod
+    def _available(cls, v: str) -> str:
+        return check_format(v)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class TalkerParams(_Strict):
+    temperature: float | None = Field(None, ge=0)
+    top_k: int | None = Field(None, ge=-1)
+    top_p: float | None = Field(None, gt=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    max_frames: int | None = Field(None, ge=1)
+    ignore_eos: bool | None = None
+    seed: int | None = None
+
+
+class ChatCompletionRequest(_Strict):
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    modalities: list[Literal["text", "audio"]] = Field(default_factory=lambda: ["text"], min_length=1)
+    audio: AudioParams | None = None
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0, le=1)
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    repetition_penalty: float | None = Field(None, gt=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    ignore_eos: bool | None = None
+    use_audio_in_video: bool = False
+    max_audio_frames: int | None = Field(None, ge=1)
+    talker: TalkerParams | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _one_stop(cls, v: Any) -> Any:
+        return [v] if isinstance(v, str) else v
+
+    @field_validator("modalities")
+    @classmethod
+    def _text_with_audio(cls, v: list[str]) -> list[str]:
+        return ["text", "audio"] if "audio" in v else ["text"]
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatCompletionRequest:
+        if self.audio is not None and not self.wants_audio:
+            raise bad_request("audio: given, but modalities does not include 'audio'", "audio")
+        if self.stream_options is not None and not self.stream:
+            raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        if self.max_audio_frames is not None and self.talker and self.talker.max_frames is not None:
+            raise bad_request("max_audio_frames: give it or talker.max_frames, not both", "max_audio_frames")
+        if self.wants_audio:
+            if self.n != 1:
+                raise bad_request("n: must be 1 when audio output is requested", "n")
+            self.audio = self.audio or AudioParams()
+            if self.stream:
+                check_format(self.audio.format, stream=True)
+        return self
+
+    @property
+    def wants_audio(self) -> bool:
+        return "audio" in self.modalities
+
+
+class SpeechRequest(_Strict):
+    """POST /v1/audio/speech. Default format wav (OpenAI's is mp3); only speed 1.0."""
+
+    model: str | None = None
+    input: str = Field(min_length=1)
+    voice: str = "Ethan"
+    response_format: AudioFormat = "wav"
+    speed: float = 1.0
+    stream: bool = False
+
+    @field_validator("speed")
+    @classmethod
+    def _speed_one(cls, v: float) -> float:
+        if v != 1.0:
+            raise ValueError(f"only 1.0 is supported, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _check(self) -> SpeechRequest:
+        check_format(self.response_format, self.stream, param="response_format")
+        return self
+
+
+_THINKER_FIELDS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "ignore_eos")
+
+
+def thinker_sampling_params(req: ChatCompletionRequest, defaults: dict) -> SamplingParams:
+    values = {**defaults, **{k: getattr(req, k) for k in _THINKER_FIELDS if getattr(req, k) is not None}}
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    if max_tokens is not None:
+        values["max_tokens"] = max_tokens
+    return _build(SamplingParams, values)
+
+
+def talker_sampling_params(req: ChatCompletionRequest, defaults: dict) -> TalkerSamplingParams:
+    given = req.talker.model_dump(exclude_none=True) if req.talker else {}
+    if req.max_audio_frames is not None:
+        given["max_frames"] = req.max_audio_frames
+    if req.seed is not None:
+        given.setdefault("seed", req.seed)
+    return _build(TalkerSamplingParams, {**defaults, **given})
+
+
+def resolve_voice(voice: str, voices: Iterable[str], param: str = "audio.voice") -> str:
+    """The checkpoint's speaker name (lower case) for `voice`, matched case-insensitively."""
+    known = sorted(v.lower() for v in voices)
+    if voice.lower() not in known:
+        raise bad_request(f"{param}: unknown voice {voice!r}; available: {', '.join(known)}", param)
+    return voice.lower()
+
+
+def _build(cls: type, values: dict) -> Any:
+    try:
+        return from_dict(cls, values)
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+
+
+def usage_dict(usage: Usage) -> dict:
+    """OpenAI usage: completion_tokens counts text tokens and codec frames (audio_tokens)."""
+    completion = usage.completion_tokens + usage.audio_frames
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": usage.prompt_tokens + completion,
+            "completion_tokens_details": {"text_tokens": usage.completion_tokens,
+                                          "audio_tokens": usage.audio_frames}}
+
+
+def audio_delta(data: bytes, audio_id: str | None = None) -> dict:
+    """`delta` of a streamed audio chunk; the id rides on the first chunk only."""
+    audio = {"id": audio_id} if audio_id else {}
+    return {"audio": {**audio, "data": base64.b64encode(data).decode()}}
+
+
+@dataclass
+class ResponseHead:
+    """What every response and chunk of one request shares."""
+
+    model: str
+    id: str = field(default_factory=lambda: f"chatcmpl-{uuid.uuid4().hex}")
+    created: int = field(default_factory=lambda: int(time.time()))
+    audio_id: str = field(default_factory=lambda: f"audio_{uuid.uuid4().hex}")
+
+    @property
+    def audio_expires_at(self) -> int:
+        return self.created + AUDIO_TTL_S
+
+    def completion(self, text: str, finish_reason: str, usage: Usage, audio: bytes | None = None) -> dict:
+        """chat.completion; with `audio` (a whole encoded file) message.audio carries it and the transcript."""
+        message: dict = {"role": "assistant", "content": text}
+        if audio is not None:
+            message["audio"] = {"id": self.audio_id, "data": base64.b64encode(audio).decode(),
+                                "expires_at": self.audio_expires_at, "transcript": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason, "logprobs": None}
+        return {**self._head("chat.completion"), "choices": [choice], "usage": usage_dict(usage)}
+
+    def chunk(self, delta: dict, finish_reason: str | None = None) -> dict:
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason, "logprobs": None}
+        return {**self._head("chat.completion.chunk"), "choices": [choice]}
+
+    def audio_done_chunk(self) -> dict:
+        return self.chunk({"audio": {"expires_at": self.audio_expires_at}})
+
+    def usage_chunk(self, usage: Usage) -> dict:
+        return {**self._head("chat.completion.chunk"), "choices": [], "usage": usage_dict(usage)}
+
+    def _head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(event: dict) -> str:
+    return f"data: {json.dumps(event, separators=(',', ':'))}\n\n"
+
+
+def model_list(names: Iterable[str], created: int) -> dict:
+    """GET /v1/models."""
+    return {"object": "list", "data": [{"id": n, "object": "model", "created": created, "owned_by": "omnistage"}
+                                       for n in names]}
