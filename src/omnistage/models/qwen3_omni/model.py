@@ -12,6 +12,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omnistage.models.qwen3_omni.weights import init_dummy_weights, load_stage_weights
 
+FULL_SIZE_CONFIG = Path(__file__).parent / "configs" / "qwen3_omni_30b_a3b_instruct.json"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

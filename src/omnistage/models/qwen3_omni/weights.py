@@ -9,7 +9,6 @@ other transformers versions (`thinker.model.language_model.*`, `thinker.model.au
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,15 +16,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_to_hf_name, expert_slot, hf_to_checkpoint_name
 from omnistage.models.qwen3_omni.random_init import random_tensor
-
-STAGES = ("thinker", "talker", "code2wav")
-_ALIASES = (
-    ("thinker.model.language_model.", "thinker.model."),
-    ("thinker.model.audio_tower.", "thinker.audio_tower."),
-    ("thinker.model.visual.", "thinker.visual."),
-)
-_EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 
 
 def checkpoint_files(model_dir: str | Path, prefix: str = "") -> list[Path]:
@@ -34,7 +26,7 @@ def checkpoint_files(model_dir: str | Path, prefix: str = "") -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        names = sorted({f for k, f in weight_map.items() if _canonical(k).startswith(prefix)})
+        names = sorted({f for k, f in weight_map.items() if hf_to_checkpoint_name(k).startswith(prefix)})
         return [model_dir / n for n in names]
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
@@ -48,16 +40,9 @@ def iter_checkpoint(model_dir: str | Path, prefix: str, device: str | torch.devi
     for path in checkpoint_files(model_dir, prefix):
         with safe_open(str(path), framework="pt", device=str(device)) as f:
             for key in f.keys():
-                name = _canonical(key)
+                name = hf_to_checkpoint_name(key)
                 if name.startswith(prefix):
                     yield name, f.get_tensor(key)
-
-
-def _canonical(name: str) -> str:
-    for old, new in _ALIASES:
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name
 
 
 @torch.no_grad()
@@ -82,19 +67,12 @@ def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> 
 
 
 def _target(targets: dict[str, torch.Tensor], local: str) -> tuple[torch.Tensor | None, str]:
-    m = _EXPERT.match(local)
-    if m is None:
+    slot = expert_slot(local)
+    if slot is None:
         return targets.get(local), local
-    base, expert, part = m.group(1), int(m.group(2)), m.group(3)
-    if part == "down":
-        fused = targets.get(base + ".down_proj")
-        return (None if fused is None else fused[expert]), f"{base}.{expert}.down"
-    fused = targets.get(base + ".gate_up_proj")
-    if fused is None:
-        return None, local
-    half = fused.shape[1] // 2
-    rows = fused[expert, :half] if part == "gate" else fused[expert, half:]
-    return rows, f"{base}.{expert}.{part}"
+    fused = targets.get(slot.fused_name)
+    base = slot.fused_name.rpartition(".")[0]
+    return (None if fused is None else slot.view(fused)), f"{base}.{slot.expert}.{slot.part}"
 
 
 def _expected_keys(targets: dict[str, torch.Tensor]) -> Iterator[str]:
@@ -112,12 +90,7 @@ def _expected_keys(targets: dict[str, torch.Tensor]) -> Iterator[str]:
 
 def reference_name(stage: str, local: str) -> str:
     """Our stage-local name -> transformers' in-memory parameter name (the key `random_init` seeds by)."""
-    if stage == "thinker":
-        if local.startswith("model."):
-            return "thinker.model.language_model." + local[len("model."):]
-        if local.startswith(("audio_tower.", "visual.")):
-            return "thinker.model." + local
-    return f"{stage}.{local}"
+    return checkpoint_to_hf_name(f"{stage}.{local}")
 
 
 @torch.no_grad()
