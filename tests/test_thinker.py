@@ -162,3 +162,41 @@ def test_batched_prefill_and_decode_equal_single_runs(preset):
         last = run(model, alloc, [[t] for t in toks]).hidden_states
         for i in range(3):
             assert rel(last[i], alone[i][step + 1][0]) < 1e-5
+
+
+def test_image_and_video_prompt_with_deepstack_matches_transformers(preset):
+    from omnistage.models.qwen3_omni.encoders import VisualEmbeds
+
+    model, hf = thinker(preset), hf_reference(preset)
+    vc = preset_config(preset)["thinker_config"]["vision_config"]
+    patch = vc["in_channels"] * vc["temporal_patch_size"] * vc["patch_size"] ** 2
+    g = torch.Generator().manual_seed(3)
+    grids = {"image": torch.tensor([[1, 4, 6]]), "video": torch.tensor([[2, 4, 4]])}  # 6 and 8 merged tokens
+    pixels = {m: torch.randn(int(grid.prod()), patch, generator=g) for m, grid in grids.items()}
+    prompt = build_prompt(seed=2)
+    k = prompt.index(SPECIAL_IDS["user_token_id"]) + 2
+    for m in ("video", "image"):  # image placeholders first, then video
+        n = int(grids[m].prod()) // vc["spatial_merge_size"] ** 2
+        prompt[k:k] = [MM_IDS["vision_start_token_id"], *[MM_IDS[f"{m}_token_id"]] * n, MM_IDS["vision_end_token_id"]]
+    ids, mask = torch.tensor([prompt]), torch.ones(1, len(prompt), dtype=torch.long)
+    sec = torch.tensor([0.5])
+    with torch.no_grad():
+        ref = hf.thinker(input_ids=ids, attention_mask=mask, pixel_values=pixels["image"],
+                         image_grid_thw=grids["image"], pixel_values_videos=pixels["video"],
+                         video_grid_thw=grids["video"], video_second_per_grid=sec)
+        positions = hf.thinker.model.get_rope_index(ids, grids["image"], grids["video"], mask, False, None, sec)[0]
+        positions = positions[:, 0]
+        image, video = (model.encode_visual(pixels[m], grids[m]) for m in ("image", "video"))
+    assert not torch.equal(positions[0], positions[1])  # real 3-D positions
+    logits = model.compute_logits(run3d(model, prompt, positions, image=image, video=video))
+    assert rel(logits, ref.logits[0]) < TOL
+    # DeepStack matters: dropping it moves the logits far outside the tolerance
+    no_deepstack = model.compute_logits(run3d(model, prompt, positions, image=VisualEmbeds(image.embeds, []),
+                                              video=VisualEmbeds(video.embeds, [])))
+    assert rel(no_deepstack, ref.logits[0]) > 100 * TOL
+
+
+def run3d(model: Thinker, prompt: list[int], positions: torch.Tensor, **kw) -> torch.Tensor:
+    alloc = fresh(model, 1, len(prompt))
+    with torch.no_grad(), forward_context(alloc.context([len(prompt)])):
+        return model(torch.tensor(prompt), positions, **kw).hidden_states
