@@ -13,30 +13,15 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
+from omnistage.layers.mlp import SwiGLUMLP
+from omnistage.layers.norm import RMSNorm
+from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from omnistage.models.qwen3_omni.code2wav_conv import CausalConv1d, CausalTransConv1d, ConvNeXtBlock, \
     DecoderBlock, SnakeBeta
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav_stream import StreamContext
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class Code2WavAttention(nn.Module):
@@ -56,27 +41,14 @@ class Code2WavAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor,
                 ctx: StreamContext | None) -> torch.Tensor:
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, n, -1, self.head_dim).transpose(1, 2)
-        kv = torch.stack((_rotate(k, cos, sin), v), dim=1)
+        q, k, v = (proj(x).view(b * n, -1, self.head_dim) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q = apply_rotary_emb(q, cos, sin).view(b, n, -1, self.head_dim).transpose(1, 2)
+        k = apply_rotary_emb(k, cos, sin).view(b, n, -1, self.head_dim)
+        kv = torch.stack((k, v.view(b, n, -1, self.head_dim)), dim=1).transpose(2, 3)
         if ctx is not None:
             kv = ctx.extend(self, kv, dim=-2)
-        out = F.scaled_dot_product_attention(_rotate(q, cos, sin), kv[:, 0], kv[:, 1], attn_mask=mask,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=mask, enable_gqa=True)
         return self.o_proj(out.transpose(1, 2).reshape(b, n, -1))
-
-
-class Code2WavMLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
-        self.act_fn = ACT2FN[config.hidden_act]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LayerScale(nn.Module):
@@ -92,7 +64,7 @@ class Code2WavDecoderLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.self_attn = Code2WavAttention(config)
-        self.mlp = Code2WavMLP(config)
+        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn_layer_scale = LayerScale(config)
@@ -110,14 +82,11 @@ class Code2WavTransformer(nn.Module):
         self.layers = nn.ModuleList(Code2WavDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.window = config.sliding_window
-        dim = self.layers[0].self_attn.head_dim
-        theta = config.rope_parameters["rope_theta"]
-        inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.rotary_emb = RotaryEmbedding(self.layers[0].self_attn.head_dim, config.rope_parameters["rope_theta"])
 
-    def _positions(self, n: int, ctx: StreamContext | None, device: torch.device):
-        """Absolute frame positions of queries [B|1, n] and keys [B|1, L] (past window slots first)."""
-        q_pos = torch.arange(n, device=device)[None]
+    def _positions(self, b: int, n: int, ctx: StreamContext | None, device: torch.device):
+        """Absolute frame positions of queries [B, n] and keys [B, L] (past window slots first)."""
+        q_pos = torch.arange(n, device=device).expand(b, n)
         if ctx is None:
             return q_pos, q_pos
         q_pos = ctx.pos[:, None] + q_pos
@@ -125,10 +94,8 @@ class Code2WavTransformer(nn.Module):
         return q_pos, torch.cat((past, q_pos), dim=1)
 
     def forward(self, x: torch.Tensor, ctx: StreamContext | None = None) -> torch.Tensor:
-        q_pos, k_pos = self._positions(x.shape[1], ctx, x.device)
-        freqs = q_pos[..., None].float() * self.inv_freq
-        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        q_pos, k_pos = self._positions(*x.shape[:2], ctx, x.device)
+        cos, sin = self.rotary_emb(q_pos.flatten(), x.dtype)
         dist = q_pos[:, :, None] - k_pos[:, None, :]
         mask = ((dist >= 0) & (dist < self.window) & (k_pos[:, None, :] >= 0))[:, None]
         for layer in self.layers:
