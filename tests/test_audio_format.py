@@ -7,8 +7,14 @@ import pytest
 import soundfile as sf
 
 from omnistage.outputs import SAMPLE_RATE
-from omnistage.server.audio_format import (SUPPORTED_FORMATS, AudioStreamEncoder, check_format, encode, to_pcm16,
-                                           wav_stream_header)
+from omnistage.server.audio_format import (
+    SUPPORTED_FORMATS,
+    AudioStreamEncoder,
+    check_format,
+    encode,
+    to_pcm16,
+    wav_stream_header,
+)
 from omnistage.server.errors import OpenAIError
 
 N = 12345  # not a multiple of any codec frame size
@@ -88,7 +94,8 @@ def test_wav_stream_concatenates_to_one_exact_file():
     assert sr == SAMPLE_RATE and decoded.shape == (n,)
     np.testing.assert_array_equal(decoded, to_pcm16(x))
     # and the streamed body equals the whole-file body's samples
-    assert b"".join(chunks)[44:] == encode(x, "pcm16") == sf.read(io.BytesIO(encode(x, "wav")), dtype="int16")[0].tobytes()
+    whole, _ = sf.read(io.BytesIO(encode(x, "wav")), dtype="int16")
+    assert b"".join(chunks)[44:] == encode(x, "pcm16") == whole.tobytes()
 
 
 def test_pcm_stream_has_no_header():

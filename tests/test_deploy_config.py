@@ -5,8 +5,15 @@ import json
 import pytest
 import yaml
 
-from omnistage.config import (DEPLOY_DIR, ConfigError, DeployConfig, StageConfig, build_deploy_config,
-                              default_deploy_config, load_deploy_config)
+from omnistage.config import (
+    DEPLOY_DIR,
+    ConfigError,
+    DeployConfig,
+    StageConfig,
+    build_deploy_config,
+    default_deploy_config,
+    load_deploy_config,
+)
 from omnistage.platform import current_platform, platform_from_name
 
 DEFAULT_YAML = DEPLOY_DIR / "qwen3_omni_moe.yaml"
@@ -37,9 +44,11 @@ def test_packaged_config_loads_for_every_platform():
 
 def test_precedence_cli_over_platform_over_file_over_defaults(tmp_path):
     path = write(tmp_path, {
-        "async_output": False,
-        "stages": {"talker": {"max_batch_size": 16, "block_size": 32, "sampling": {"top_k": 20, "temperature": 0.7}}},
-        "platforms": {"cpu": {"stages": {"talker": {"max_batch_size": 8, "sampling": {"top_k": 10}}}}},
+        "async_output": False, "async_chunk": True,
+        "stages": {"talker": {"max_batch_size": 16, "block_size": 32,
+                              "sampling": {"top_k": 20, "temperature": 0.7}}},
+        "platforms": {"cpu": {"async_chunk": True,
+                              "stages": {"talker": {"max_batch_size": 8, "sampling": {"top_k": 10}}}}},
     })
     cfg = load_deploy_config(path, "cpu", stage_overrides='{"talker": {"max_batch_size": 4}}',
                              overrides={"async_chunk": False})
@@ -49,27 +58,34 @@ def test_precedence_cli_over_platform_over_file_over_defaults(tmp_path):
     assert talker.block_size == 32               # file
     assert talker.max_num_batched_tokens == StageConfig().max_num_batched_tokens == 8192  # built-in default
     assert cfg.async_chunk is False and cfg.async_output is False
-    assert load_deploy_config(path, "cuda").stages.talker.max_batch_size == 16  # other platform's entry unused
+    assert load_deploy_config(path, "cuda").stages.talker.max_batch_size == 16  # the cpu entry is unused
     assert load_deploy_config(path, "cpu").stages.talker.max_batch_size == 8
 
 
 @pytest.mark.parametrize("stage_overrides, message", [
     ({"talker": {"max_batch_size": -1}}, "stages.talker.max_batch_size: must be a positive integer, got -1"),
-    ({"talker": {"max_batch_size": True}}, "stages.talker.max_batch_size: must be a positive integer, got True"),
+    ({"talker": {"max_batch_size": True}},
+     "stages.talker.max_batch_size: must be a positive integer, got True"),
     ({"talker": {"max_batch_sise": 8}}, "stages.talker.max_batch_sise: unknown key"),
     ({"vocoder": {}}, "stages.vocoder: unknown key"),
-    ({"thinker": {"replicas": 2, "devices": [0, 1]}}, "stages.thinker.replicas: must be 1 for the thinker, got 2"),
+    ({"thinker": {"replicas": 2, "devices": [0, 1]}},
+     "stages.thinker.replicas: must be 1 for the thinker, got 2"),
     ({"talker": {"devices": [0, 1]}}, "stages.talker.devices: 2 devices for 1 replica(s)"),
     ({"talker": {"devices": []}}, "stages.talker.devices: must be a non-empty list"),
     ({"code2wav": {"kv_cache_memory": 1.5}}, "stages.code2wav.kv_cache_memory: must be a fraction in (0, 1]"),
     ({"code2wav": {"kv_cache_memory": 0}}, "stages.code2wav.kv_cache_memory: must be a fraction"),
-    ({"thinker": {"dtype": "fp8"}}, "stages.thinker.dtype: must be one of bfloat16, float16, float32, got 'fp8'"),
-    ({"thinker": {"max_num_batched_tokens": 32}}, "stages.thinker.max_num_batched_tokens: must be >= max_batch_size (64)"),
-    ({"talker": {"cuda_graph_batch_sizes": [8, 128]}}, "stages.talker.cuda_graph_batch_sizes: must be <= max_batch_size (64), got [128]"),
-    ({"talker": {"sampling": {"topk": 3}}}, "stages.talker.sampling: unknown TalkerSamplingParams field(s): ['topk']"),
+    ({"thinker": {"dtype": "fp8"}},
+     "stages.thinker.dtype: must be one of bfloat16, float16, float32, got 'fp8'"),
+    ({"thinker": {"max_num_batched_tokens": 32}},
+     "stages.thinker.max_num_batched_tokens: must be >= max_batch_size (64)"),
+    ({"talker": {"cuda_graph_batch_sizes": [8, 128]}},
+     "stages.talker.cuda_graph_batch_sizes: must be <= max_batch_size (64), got [128]"),
+    ({"talker": {"sampling": {"topk": 3}}},
+     "stages.talker.sampling: unknown TalkerSamplingParams field(s): ['topk']"),
     ({"thinker": {"sampling": {"top_p": 0}}}, "stages.thinker.sampling: top_p must be in (0, 1]"),
     ({"code2wav": {"sampling": {"temperature": 0.5}}}, "stages.code2wav.sampling: code2wav does not sample"),
-    ({"thinker": {"cuda_graph": True}}, "stages.thinker.cuda_graph: CUDA graphs are not available on platform 'cpu'"),
+    ({"thinker": {"cuda_graph": True}},
+     "stages.thinker.cuda_graph: CUDA graphs are not available on platform 'cpu'"),
     ('{"talker": ', "--stage-overrides: invalid JSON"),
     ("[1]", "--stage-overrides: must be a JSON object keyed by stage name"),
 ])
@@ -80,14 +96,16 @@ def test_errors_name_the_key_path(stage_overrides, message):
 
 
 def test_file_errors(tmp_path):
-    with pytest.raises(ConfigError, match=r"^connector.codec_chunk_frames: must be a positive integer, got 'x'"):
+    bad = r"^connector.codec_chunk_frames: must be a positive integer, got 'x'"
+    with pytest.raises(ConfigError, match=bad):
         load_deploy_config(write(tmp_path, {"connector": {"codec_chunk_frames": "x"}}), "cpu")
-    with pytest.raises(ConfigError, match=r"^async_chunks: unknown key \(known: stages, connector, async_chunk"):
+    with pytest.raises(ConfigError, match=r"^async_chunks: unknown key \(known: stages, connector, async_"):
         load_deploy_config(write(tmp_path, {"async_chunks": True}), "cpu")
-    with pytest.raises(ConfigError, match=r"^platforms.tpu: unknown platform \(known: cuda, rocm, xpu, npu, cpu\)"):
+    with pytest.raises(ConfigError, match=r"^platforms.tpu: unknown platform \(known: cuda, rocm, xpu, npu"):
         load_deploy_config(write(tmp_path, {"platforms": {"tpu": {}}}), "cpu")
     # an entry for another platform is validated too, and named
-    bad_xpu = {"stages": {"talker": {"cuda_graph": True}}, "platforms": {"xpu": {"stages": {"talker": {"block": 1}}}}}
+    bad_xpu = {"stages": {"talker": {"cuda_graph": True}},
+               "platforms": {"xpu": {"stages": {"talker": {"block": 1}}}}}
     with pytest.raises(ConfigError, match=r"^platforms.xpu: stages.talker.block: unknown key"):
         load_deploy_config(write(tmp_path, bad_xpu), "cuda")
     with pytest.raises(ConfigError, match=r"^stages: must be a mapping, got \[\{'stage_id': 0\}\]"):
@@ -100,17 +118,19 @@ def test_default_deploy_config_from_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen3_omni_moe"}))
     assert default_deploy_config(tmp_path) == DEFAULT_YAML
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(ConfigError, match=r"no deploy config for model_type 'llama' \(have: qwen3_omni_moe\)"):
+    with pytest.raises(ConfigError, match=r"no deploy config for model_type 'llama' \(have: qwen3_omni_moe"):
         default_deploy_config(tmp_path)
-    with pytest.raises(ConfigError, match="config.json: not found"):
+    with pytest.raises(ConfigError, match="config.json: not found; cannot choose a deploy config"):
         default_deploy_config(tmp_path / "nowhere")
 
 
 def test_to_dict_round_trip_and_describe():
-    cfg = load_deploy_config(DEFAULT_YAML, "cuda", stage_overrides={"code2wav": {"replicas": 2, "devices": [0, 1]}})
+    two = {"code2wav": {"replicas": 2, "devices": [0, 1]}}
+    cfg = load_deploy_config(DEFAULT_YAML, "cuda", stage_overrides=two)
     assert build_deploy_config(cfg.to_dict(), "cuda") == cfg
     logged = json.loads(cfg.describe())
-    assert logged["stages"]["code2wav"]["devices"] == [0, 1] and logged["stages"]["thinker"]["kv_cache_memory"] == 0.25
+    assert logged["stages"]["code2wav"]["devices"] == [0, 1]
+    assert logged["stages"]["thinker"]["kv_cache_memory"] == 0.25
     assert "\n" not in cfg.describe()
     assert build_deploy_config({}, "cpu") == DeployConfig()
 

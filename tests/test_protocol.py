@@ -1,21 +1,21 @@
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import asdict
 
 import openai
 import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from omnistage.config import DEPLOY_DIR, load_deploy_config
-from omnistage.outputs import Usage
 from omnistage.server.errors import install_api_key, install_error_handlers, model_not_found
-from omnistage.server.protocol import (SSE_DONE, ChatCompletionRequest, ResponseHead, SpeechRequest, audio_delta,
-                                       model_list, resolve_voice, sse, talker_sampling_params,
-                                       thinker_sampling_params)
+from omnistage.server.protocol import (
+    ChatCompletionRequest,
+    SpeechRequest,
+    resolve_voice,
+    talker_sampling_params,
+    thinker_sampling_params,
+)
 
 VOICES = ("chelsie", "ethan", "aiden")
 DEPLOY = load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", "cpu")
@@ -31,9 +31,9 @@ def make_app(api_key: str | None = None) -> FastAPI:
     async def chat(req: ChatCompletionRequest) -> dict:
         if req.model not in (None, "qwen3-omni"):
             raise model_not_found(req.model)
-        audio = req.wants_audio
-        return {"thinker": asdict(thinker_sampling_params(req, DEPLOY.stages.thinker.sampling)),
-                "talker": asdict(talker_sampling_params(req, DEPLOY.stages.talker.sampling)) if audio else None,
+        audio, stages = req.wants_audio, DEPLOY.stages
+        return {"thinker": asdict(thinker_sampling_params(req, stages.thinker.sampling)),
+                "talker": asdict(talker_sampling_params(req, stages.talker.sampling)) if audio else None,
                 "voice": resolve_voice(req.audio.voice, VOICES) if audio else None,
                 "format": req.audio.format if audio else None, "modalities": req.modalities}
 
@@ -62,17 +62,20 @@ def post(body: dict, path: str = "/v1/chat/completions"):
 def test_deploy_defaults_then_request_fields():
     got = post({"model": "qwen3-omni", "messages": USER}).json()
     t = got["thinker"]
-    assert (t["temperature"], t["top_p"], t["top_k"], t["repetition_penalty"], t["max_tokens"]) == (0.4, 0.9, 1, 1.05, 2048)
+    got_t = (t["temperature"], t["top_p"], t["top_k"], t["repetition_penalty"], t["max_tokens"])
+    assert got_t == (0.4, 0.9, 1, 1.05, 2048)
     assert got["modalities"] == ["text"] and got["talker"] is None
 
     got = post({"messages": USER, "temperature": 0, "max_tokens": 9, "max_completion_tokens": 7, "stop": "\n",
-                "seed": 5, "min_p": 0.1, "stop_token_ids": [151645], "ignore_eos": True, "modalities": ["audio"],
-                "audio": {"voice": "CHELSIE", "format": "pcm16"}, "talker": {"temperature": 0.0, "top_k": 3},
+                "seed": 5, "min_p": 0.1, "stop_token_ids": [151645], "ignore_eos": True,
+                "modalities": ["audio"], "audio": {"voice": "CHELSIE", "format": "pcm16"},
+                "talker": {"temperature": 0.0, "top_k": 3},
                 "max_audio_frames": 120}).json()
     t, k = got["thinker"], got["talker"]
     assert (t["temperature"], t["max_tokens"], t["stop"], t["seed"], t["min_p"]) == (0.0, 7, ["\n"], 5, 0.1)
     assert (t["stop_token_ids"], t["ignore_eos"], t["top_p"]) == ([151645], True, 0.9)
-    assert (k["temperature"], k["top_k"], k["max_frames"], k["seed"], k["repetition_penalty"]) == (0.0, 3, 120, 5, 1.05)
+    got_k = (k["temperature"], k["top_k"], k["max_frames"], k["seed"], k["repetition_penalty"])
+    assert got_k == (0.0, 3, 120, 5, 1.05)
     assert got["modalities"] == ["text", "audio"] and got["voice"] == "chelsie" and got["format"] == "pcm16"
 
     got = post({"messages": USER, "modalities": ["text", "audio"], "seed": 5, "talker": {"seed": 9}}).json()
@@ -80,13 +83,16 @@ def test_deploy_defaults_then_request_fields():
 
 
 @pytest.mark.parametrize("body, param, message", [
-    ({"messages": USER, "temperature": -1}, "temperature", "temperature: Input should be greater than or equal to 0"),
+    ({"messages": USER, "temperature": -1},
+     "temperature", "temperature: Input should be greater than or equal to 0"),
     ({"messages": USER, "frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied: frobnicate"),
     ({"messages": []}, "messages", "messages: List should have at least 1 item"),
     ({}, "messages", "messages: Field required"),
-    ({"messages": USER, "modalities": ["video"]}, "modalities[0]", "modalities[0]: Input should be 'text' or 'audio'"),
+    ({"messages": USER, "modalities": ["video"]},
+     "modalities[0]", "modalities[0]: Input should be 'text' or 'audio'"),
     ({"messages": USER, "modalities": ["audio"], "n": 2}, "n", "n: must be 1 when audio output is requested"),
-    ({"messages": USER, "audio": {"voice": "ethan"}}, "audio", "audio: given, but modalities does not include"),
+    ({"messages": USER, "audio": {"voice": "ethan"}},
+     "audio", "audio: given, but modalities does not include"),
     ({"messages": USER, "modalities": ["audio"], "audio": {"format": "aac"}}, "audio.format",
      "audio.format: 'aac' is not supported for audio; supported: wav, "),
     ({"messages": USER, "modalities": ["audio"], "audio": {"format": "ogg"}}, "audio.format",
@@ -95,9 +101,12 @@ def test_deploy_defaults_then_request_fields():
      "audio.format: 'flac' is not supported for streamed audio; supported: wav, pcm16, pcm"),
     ({"messages": USER, "modalities": ["audio"], "audio": {"voice": "alloy"}}, "audio.voice",
      "audio.voice: unknown voice 'alloy'; available: aiden, chelsie, ethan"),
-    ({"messages": USER, "stream_options": {"include_usage": True}}, "stream_options", "stream_options: only allowed"),
-    ({"messages": USER, "max_audio_frames": 5, "talker": {"max_frames": 6}}, "max_audio_frames", "max_audio_frames: give"),
-    ({"messages": USER, "talker": {"top_p": 1.5}}, "talker.top_p", "talker.top_p: Input should be less than or equal to 1"),
+    ({"messages": USER, "stream_options": {"include_usage": True}},
+     "stream_options", "stream_options: only allowed"),
+    ({"messages": USER, "max_audio_frames": 5, "talker": {"max_frames": 6}},
+     "max_audio_frames", "max_audio_frames: give"),
+    ({"messages": USER, "talker": {"top_p": 1.5}},
+     "talker.top_p", "talker.top_p: Input should be less than or equal to 1"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      "messages[0].content[0].image_url.url", "messages[0].content[0].image_url.url: Field required"),
     ({"messages": [{"role": "user", "content": [{"type": "video", "video": "a.mp4", "fps": 0}]}]},
@@ -106,7 +115,8 @@ def test_deploy_defaults_then_request_fields():
      "messages[0].content[0]: Input tag 'hologram' found using 'type' does not match"),
     ({"messages": [{"role": "system", "content": [{"type": "image", "image": "x.png"}]}]}, "messages[0]",
      "messages[0]: system messages take text content only"),
-    ({"messages": [{"role": "robot", "content": "x"}]}, "messages[0].role", "messages[0].role: Input should be"),
+    ({"messages": [{"role": "robot", "content": "x"}]},
+     "messages[0].role", "messages[0].role: Input should be"),
     ({"model": "gpt-4o", "messages": USER}, "model", "The model `gpt-4o` does not exist."),
     ({"input": "Hi", "speed": 1.5}, "speed", "speed: only 1.0 is supported, got 1.5"),
     ({"input": "Hi", "response_format": "aac"}, "response_format", "response_format: 'aac' is not supported"),
@@ -135,7 +145,8 @@ def test_content_parts_accepted():
              {"type": "image", "image": "x.png"}, {"type": "video", "video": ["f1.jpg", "f2.jpg"]}]
     history = [{"role": "system", "content": "You are Qwen."}, {"role": "user", "content": parts},
                {"role": "assistant", "audio": {"id": "audio_abc"}}, {"role": "user", "content": "Again."}]
-    req = ChatCompletionRequest.model_validate({"messages": history, "stop": ["a", "b"], "use_audio_in_video": True})
+    body = {"messages": history, "stop": ["a", "b"], "use_audio_in_video": True}
+    req = ChatCompletionRequest.model_validate(body)
     assert [p.type for p in req.messages[1].content] == ["text", "image_url", "input_audio", "audio_url",
                                                           "video_url", "audio", "image", "video"]
     assert req.messages[0].content[0].text == "You are Qwen." and req.messages[2].audio.id == "audio_abc"
@@ -164,48 +175,12 @@ def test_api_key_unknown_route_and_internal_error():
     assert client.get("/health").status_code == 200  # not under /v1
     r = client.get("/v1/nope", headers=ok)
     assert r.status_code == 404 and r.json()["error"] == {
-        "message": "Invalid URL (GET /v1/nope)", "type": "invalid_request_error", "param": None, "code": "unknown_url"}
+        "message": "Invalid URL (GET /v1/nope)", "type": "invalid_request_error", "param": None,
+        "code": "unknown_url"}
     r = client.get("/v1/boom", headers=ok)
     assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
     assert "secret" not in r.text and "Traceback" not in r.text
-    r = client.post("/v1/chat/completions", content=b"{not json", headers={**ok, "content-type": "application/json"})
-    assert r.status_code == 400 and r.json()["error"]["message"] == "We could not parse the JSON body of your request."
-
-
-def test_completion_with_audio_parses_as_openai_types():
-    head = ResponseHead(model="qwen3-omni")
-    body = head.completion("Hi there.", "stop", Usage(prompt_tokens=20, completion_tokens=4, audio_frames=25),
-                           audio=b"RIFF1234")
-    c = ChatCompletion.model_validate(body)
-    assert c.id.startswith("chatcmpl-") and c.object == "chat.completion" and c.model == "qwen3-omni"
-    m = c.choices[0].message
-    assert m.content == "Hi there." and m.audio.transcript == "Hi there." and m.audio.id == head.audio_id
-    assert base64.b64decode(m.audio.data) == b"RIFF1234" and m.audio.expires_at == head.created + 24 * 3600
-    u = c.usage
-    assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (20, 29, 49)
-    assert (u.completion_tokens_details.audio_tokens, u.completion_tokens_details.text_tokens) == (25, 4)
-    assert "audio" not in head.completion("x", "length", Usage())["choices"][0]["message"]
-
-
-def test_stream_chunks_parse_as_openai_types():
-    head = ResponseHead(model="m")
-    events = [head.chunk({"role": "assistant", "content": ""}), head.chunk({"content": "Hi"}),
-              head.chunk(audio_delta(b"\x01\x00\x02\x00", head.audio_id)), head.chunk(audio_delta(b"\x03\x00")),
-              head.audio_done_chunk(), head.chunk({}, "stop"), head.usage_chunk(Usage(3, 2, 1))]
-    text = "".join(sse(e) for e in events) + SSE_DONE
-    frames = text.split("\n\n")
-    assert frames[-2:] == ["data: [DONE]", ""] and len(frames) == len(events) + 2
-    chunks = [ChatCompletionChunk.model_validate(json.loads(f.removeprefix("data: "))) for f in frames[:-2]]
-    assert {c.id for c in chunks} == {head.id} and all(c.object == "chat.completion.chunk" for c in chunks)
-    # older openai SDKs have no typed delta.audio: read the wire dicts
-    audio = [json.loads(f.removeprefix("data: "))["choices"][0]["delta"]["audio"] for f in frames[2:5]]
-    assert audio[0]["id"] == head.audio_id and "id" not in audio[1]
-    assert base64.b64decode(audio[0]["data"]) + base64.b64decode(audio[1]["data"]) == b"\x01\x00\x02\x00\x03\x00"
-    assert audio[2] == {"expires_at": head.audio_expires_at}
-    assert chunks[5].choices[0].finish_reason == "stop" and chunks[6].choices == []
-    assert (chunks[6].usage.completion_tokens, chunks[6].usage.total_tokens) == (3, 6)
-
-
-def test_model_list():
-    assert model_list(["qwen3-omni"], 7) == {"object": "list", "data": [
-        {"id": "qwen3-omni", "object": "model", "created": 7, "owned_by": "omnistage"}]}
+    headers = {**ok, "content-type": "application/json"}
+    r = client.post("/v1/chat/completions", content=b"{not json", headers=headers)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "We could not parse the JSON body of your request."

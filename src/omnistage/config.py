@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import copy
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import yaml
 
@@ -26,14 +27,10 @@ class ConfigError(ValueError):
     """A deploy config problem; the message starts with the offending key path."""
 
 
-class _Invalid(Exception):
-    pass
-
-
 def _rule(ok: Callable[[Any], bool], why: str, convert: Callable[[Any], Any] = copy.deepcopy) -> Callable:
     def check(v: Any) -> Any:
         if not ok(v):
-            raise _Invalid(why)
+            raise ValueError(why)
         return convert(v)
     return check
 
@@ -148,8 +145,8 @@ def load_deploy_config(
     stage_overrides: str | dict | None = None,
     overrides: dict | None = None,
 ) -> DeployConfig:
-    """Load a deploy YAML for `platform` (default: detected). `stage_overrides` (JSON text or dict, keyed by
-    stage name) and `overrides` (top-level keys, e.g. {"async_chunk": False}) come from the CLI."""
+    """`platform` defaults to the detected one; `stage_overrides` (JSON text or dict keyed by stage name) and
+    `overrides` (top-level keys, e.g. {"async_chunk": False}) come from the CLI."""
     platform = platform or detect_platform()
     platform_from_name(platform)
     raw = _read_yaml(Path(path))
@@ -165,7 +162,7 @@ def default_deploy_config(model_dir: str | Path) -> Path:
     """The packaged deploy YAML for the checkpoint's config.json `model_type`."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
-        raise ConfigError(f"{config_file}: not found, so no deploy config can be chosen for it")
+        raise ConfigError(f"{config_file}: not found; cannot choose a deploy config")
     model_type = json.loads(config_file.read_text()).get("model_type")
     path = DEPLOY_DIR / f"{model_type}.yaml"
     if not path.is_file():
@@ -190,7 +187,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
             continue
         try:
             kwargs[name] = f.metadata["check"](value)
-        except _Invalid as e:
+        except ValueError as e:
             raise ConfigError(f"{key}: {e}, got {value!r}") from None
     return cls(**kwargs)
 
@@ -198,7 +195,7 @@ def _build(cls: type, data: Any, path: str) -> Any:
 def _check_stage(name: str, stage: StageConfig, platform: str) -> None:
     n, big = stage.max_batch_size, [s for s in stage.cuda_graph_batch_sizes if s > stage.max_batch_size]
     problems = [
-        (name == "thinker" and stage.replicas != 1, "replicas", 
+        (name == "thinker" and stage.replicas != 1, "replicas",
          f"must be 1 for the thinker, got {stage.replicas}"),
         (len(stage.devices) > stage.replicas, "devices",
          f"{len(stage.devices)} devices for {stage.replicas} replica(s); list at most one per replica"),

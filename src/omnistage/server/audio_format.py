@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import struct
+from typing import Literal, get_args
 
 import numpy as np
 import soundfile as sf
@@ -16,7 +17,8 @@ import soundfile as sf
 from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.errors import bad_request
 
-FORMATS = ("wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm")
+AudioFormat = Literal["wav", "mp3", "flac", "opus", "aac", "pcm16", "pcm"]
+FORMATS: tuple[str, ...] = get_args(AudioFormat)
 RAW_FORMATS = ("pcm16", "pcm")
 STREAM_FORMATS = ("pcm16", "pcm", "wav")
 MEDIA_TYPES = {"wav": "audio/wav", "mp3": "audio/mpeg", "flac": "audio/flac", "opus": "audio/ogg",
@@ -28,7 +30,8 @@ _SOUNDFILE = {"wav": ("WAV", "PCM_16"), "flac": ("FLAC", "PCM_16"), "mp3": ("MP3
 
 def _probe() -> tuple[str, ...]:
     formats = sf.available_formats()
-    have = {name for name, (fmt, sub) in _SOUNDFILE.items() if fmt in formats and sub in sf.available_subtypes(fmt)}
+    have = {name for name, (fmt, sub) in _SOUNDFILE.items()
+            if fmt in formats and sub in sf.available_subtypes(fmt)}
     return tuple(f for f in FORMATS if f in have or f in RAW_FORMATS)
 
 
@@ -40,7 +43,8 @@ def check_format(fmt: str, stream: bool = False, param: str = "audio.format") ->
     allowed = tuple(f for f in SUPPORTED_FORMATS if f in STREAM_FORMATS) if stream else SUPPORTED_FORMATS
     if fmt not in allowed:
         kind = "streamed audio" if stream else "audio"
-        raise bad_request(f"{param}: {fmt!r} is not supported for {kind}; supported: {', '.join(allowed)}", param)
+        supported = ", ".join(allowed)
+        raise bad_request(f"{param}: {fmt!r} is not supported for {kind}; supported: {supported}", param)
     return fmt
 
 

@@ -48,7 +48,8 @@ def model_not_found(model: str) -> OpenAIError:
 
 
 def param_from_loc(loc: tuple) -> str | None:
-    """("body", "messages", 0, "content", 1, "image_url", "image_url", "url") -> messages[0].content[1].image_url.url"""
+    """("body", "messages", 0, "content", 1, "image_url", "image_url", "url")
+    -> "messages[0].content[1].image_url.url" (union branch names and tags dropped)."""
     out: list[str] = []
     for i, item in enumerate(loc):
         if isinstance(item, int):
@@ -118,4 +119,5 @@ async def _on_http_error(request: Request, exc: Any) -> JSONResponse:
 
 async def _on_internal_error(request: Request, exc: Exception) -> JSONResponse:
     logger.exception("internal error on %s %s", request.method, request.url.path)
-    return OpenAIError("The server had an error while processing your request.", 500, "server_error").response()
+    message = "The server had an error while processing your request."
+    return OpenAIError(message, 500, "server_error").response()

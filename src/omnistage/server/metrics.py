@@ -32,7 +32,8 @@ class _Metric:
         return tuple(str(labels[k]) for k in self.labels)
 
     def _series(self, key: tuple[str, ...], extra: str = "") -> str:
-        pairs = [f'{k}="{_escape(v)}"' for k, v in zip(self.labels, key)] + ([extra] if extra else [])
+        pairs = [f'{k}="{_escape(v)}"' for k, v in zip(self.labels, key, strict=True)]
+        pairs += [extra] if extra else []
         return "{" + ",".join(pairs) + "}" if pairs else ""
 
     def render(self) -> list[str]:
@@ -69,7 +70,8 @@ class Gauge(_Metric):
 class Histogram(_Metric):
     kind = "histogram"
 
-    def __init__(self, name: str, help: str, buckets: tuple[float, ...], labels: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, help: str, buckets: tuple[float, ...],
+                 labels: tuple[str, ...] = ()) -> None:
         super().__init__(name, help, labels)
         self.buckets = tuple(sorted(buckets))
 
@@ -83,7 +85,7 @@ class Histogram(_Metric):
     def _samples(self, key: tuple[str, ...], value: object) -> list[str]:
         counts, total = value
         lines, running = [], 0
-        for bound, count in zip([*self.buckets, math.inf], counts):
+        for bound, count in zip([*self.buckets, math.inf], counts, strict=True):
             running += count
             le = f'le="{_num(bound)}"'
             lines.append(f"{self.name}_bucket{self._series(key, le)} {running}")
@@ -98,7 +100,8 @@ class ServerMetrics:
         p = prefix
         self.requests = Counter(f"{p}_requests_total", "HTTP requests by endpoint and status code.",
                                 ("endpoint", "status"))
-        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first text token.", LATENCY_BUCKETS)
+        self.ttft = Histogram(f"{p}_time_to_first_token_seconds", "Arrival to first text token.",
+                              LATENCY_BUCKETS)
         self.ttfp = Histogram(f"{p}_time_to_first_audio_seconds", "Arrival to first audio chunk.",
                               LATENCY_BUCKETS)
         self.rtf = Histogram(f"{p}_audio_rtf", "(Last audio chunk - arrival) / audio seconds.", RTF_BUCKETS)
