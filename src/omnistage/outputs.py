@@ -28,6 +28,7 @@ class OutputDelta:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     audio: np.ndarray | None = None
+    codes: np.ndarray | None = None  # [num_code_groups, n] the codec frames `audio` was decoded from
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None

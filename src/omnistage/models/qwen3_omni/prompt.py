@@ -51,22 +51,33 @@ def to_conversation(messages: list[dict[str, Any]], allowed_local_dir: str | Non
 
 
 class PromptProcessor:
-    """Wraps the checkpoint's `AutoProcessor` (tokenizer, chat template, feature extractor)."""
+    """The checkpoint's tokenizer (with its chat template) and audio feature extractor. Audio
+    placeholders expand like transformers' Qwen3OmniMoeProcessor (which would also need torchvision)."""
+
+    AUDIO_PAD = "<|audio_pad|>"
 
     def __init__(self, model_dir: str | Path) -> None:
-        from transformers import AutoProcessor
+        from transformers import AutoTokenizer, WhisperFeatureExtractor
 
-        self.processor = AutoProcessor.from_pretrained(str(model_dir))
-        self.tokenizer = self.processor.tokenizer
+        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
 
     def __call__(self, messages: list[dict[str, Any]], allowed_local_dir: str | None = None) -> PromptInputs:
+        from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
         conversation, audios = to_conversation(messages, allowed_local_dir)
-        text = self.processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+        text = self.tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
         if not audios:
             return PromptInputs(input_ids=self.tokenizer(text)["input_ids"])
-        batch = self.processor(text=[text], audio=audios, return_tensors="pt", padding=True)
-        return PromptInputs(input_ids=batch["input_ids"][0].tolist(), input_features=batch["input_features"],
-                            feature_attention_mask=batch["feature_attention_mask"])
+        feats = self.feature_extractor(audios, sampling_rate=16000, padding=True, truncation=False,
+                                       return_attention_mask=True, return_tensors="pt")
+        counts = _get_feat_extract_output_lengths(feats["attention_mask"].sum(-1)).tolist()
+        pieces = text.split(self.AUDIO_PAD)
+        if len(pieces) != len(counts) + 1:
+            raise MediaError(f"{len(pieces) - 1} audio placeholders in the prompt for {len(counts)} audios")
+        text = pieces[0] + "".join(self.AUDIO_PAD * n + rest for n, rest in zip(counts, pieces[1:]))
+        return PromptInputs(input_ids=self.tokenizer(text)["input_ids"], input_features=feats["input_features"],
+                            feature_attention_mask=feats["attention_mask"])
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)

@@ -1,0 +1,86 @@
+"""Offline Python API: `Omni(model_dir).chat(...)`; a list of requests runs batched through the engine."""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from omnistage.engine.request import Request
+from omnistage.layers.sampling import request_seed
+from omnistage.models.qwen3_omni.prompt import PromptInputs
+from omnistage.outputs import SAMPLE_RATE, OutputDelta, Usage
+from omnistage.pipeline.orchestrator import Orchestrator
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
+
+
+@dataclass
+class ChatResult:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    codes: np.ndarray | None = None  # [num_code_groups, frames]
+    audio: np.ndarray | None = None  # float32 mono
+    sample_rate: int = SAMPLE_RATE
+    finish_reason: str | None = None
+    usage: Usage | None = None
+
+    def add(self, delta: OutputDelta) -> None:
+        self.text += delta.text
+        self.token_ids += delta.token_ids
+        if delta.audio is not None:
+            self.audio = delta.audio if self.audio is None else np.concatenate([self.audio, delta.audio])
+            self.codes = delta.codes if self.codes is None else np.concatenate([self.codes, delta.codes], 1)
+        if delta.finished:
+            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+
+
+def _per_request(value: Any, n: int, name: str) -> list[Any]:
+    if isinstance(value, (list, tuple)):
+        if len(value) != n:
+            raise ValueError(f"{name}: {len(value)} values for {n} requests")
+        return list(value)
+    return [value] * n
+
+
+class Omni:
+    def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
+        """`model`: a checkpoint directory (default: the built-in tiny random-weight checkpoint).
+        `engine_kwargs` go to `Orchestrator` (deploy, load_format, device, dtype, seed)."""
+        if model is None:
+            from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+            model = tiny_checkpoint()
+        self.engine = Orchestrator(model, **engine_kwargs)
+
+    def make_request(self, messages: list[dict] | None, prompt_token_ids: list[int] | None, *, want_audio: bool,
+                     voice: str, sampling: Any, talker_sampling: Any, emit) -> Request:
+        if (messages is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of messages and prompt_token_ids")
+        prompt = PromptInputs(list(prompt_token_ids)) if messages is None else self.engine.processor(messages)
+        sp = from_dict(SamplingParams, sampling)
+        if want_audio and voice.lower() not in self.engine.voices:
+            raise ValueError(f"unknown voice {voice!r}; choose from {self.engine.voices}")
+        return Request(uuid.uuid4().hex, prompt, sp, from_dict(TalkerSamplingParams, talker_sampling),
+                       request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+
+    def chat(self, messages: list | None = None, *, prompt_token_ids: list | None = None,
+             modalities: list[str] = ("text", "audio"), voice: str | list[str] = "Ethan", sampling: Any = None,
+             talker_sampling: Any = None) -> ChatResult | list[ChatResult]:
+        batched = (messages is not None and messages and isinstance(messages[0], list)) or (
+            prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], list))
+        convs = (messages if batched else [messages]) if messages is not None else None
+        ids = (prompt_token_ids if batched else [prompt_token_ids]) if prompt_token_ids is not None else None
+        n = len(convs if convs is not None else ids)
+        results = [ChatResult() for _ in range(n)]
+        reqs = [self.make_request(None if convs is None else convs[i], None if ids is None else ids[i],
+                                  want_audio="audio" in modalities, voice=v, sampling=s, talker_sampling=t,
+                                  emit=results[i].add)
+                for i, (v, s, t) in enumerate(zip(_per_request(voice, n, "voice"), _per_request(sampling, n, "sampling"),
+                                                  _per_request(talker_sampling, n, "talker_sampling")))]
+        for req in reqs:
+            self.engine.add_request(req)
+        self.engine.run_until_done()
+        return results if batched else results[0]

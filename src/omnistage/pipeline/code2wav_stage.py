@@ -1,0 +1,81 @@
+"""Code2Wav stage: stateful streaming decode batched across requests; a first chunk of
+`initial_codec_chunk_frames`, then `codec_chunk_frames`; every frame decoded once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
+from omnistage.outputs import OutputDelta
+from omnistage.pipeline.connector import FrameChunk, Inbox
+
+
+@dataclass
+class WavSeq:
+    state: StreamState
+    pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not decoded yet
+    done: bool = False
+
+
+class Code2WavStage:
+    def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, initial_chunk_frames: int = 4,
+                 chunk_frames: int = 25) -> None:
+        self.streamer = Code2WavStreamer(code2wav, max_batch_size)
+        self.initial, self.chunk = initial_chunk_frames, chunk_frames
+        self.inbox: Inbox[FrameChunk] = Inbox()
+        self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
+        self.max_batch_size = max_batch_size
+
+    def add(self, chunk: FrameChunk) -> None:
+        self.inbox.put(chunk)
+
+    def abort(self, request_id: str) -> None:
+        item = self.seqs.pop(request_id, None)
+        if item is not None:
+            self.streamer.close(item[1].state)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.seqs)
+
+    def _receive(self) -> None:
+        for chunk in self.inbox.drain():
+            rid = chunk.request.request_id
+            if chunk.request.aborted:
+                continue
+            if rid not in self.seqs:
+                if len(self.seqs) >= self.max_batch_size:
+                    self.inbox.put(chunk)  # NOTE: no free stream slot yet; retried next step, order kept per request
+                    continue
+                self.seqs[rid] = (chunk, WavSeq(self.streamer.open()))
+            seq = self.seqs[rid][1]
+            if chunk.finished:
+                seq.done = True
+            else:
+                seq.pending.append(chunk.frame)
+
+    def _target(self, seq: WavSeq) -> int:
+        return self.initial if seq.state.frames == 0 else self.chunk
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        self._receive()
+        ready = [(rid, seq) for rid, (_, seq) in self.seqs.items()
+                 if seq.pending and (len(seq.pending) >= self._target(seq) or seq.done)]
+        finished = [rid for rid, (_, seq) in self.seqs.items() if seq.done and not seq.pending]
+        if ready:
+            items = []
+            for _, seq in ready:
+                n = min(len(seq.pending), self._target(seq))
+                items.append((seq.state, torch.stack(seq.pending[:n], 1)))
+                del seq.pending[:n]
+            for (rid, _), (_, codes), wav in zip(ready, items, self.streamer.step(items)):
+                req = self.seqs[rid][0].request
+                req.emit(OutputDelta(rid, audio=wav.float().cpu().numpy(), codes=codes.cpu().numpy()))
+        for rid in finished:
+            req = self.seqs[rid][0].request
+            self.abort(rid)
+            req.finish()
+        return bool(ready or finished)

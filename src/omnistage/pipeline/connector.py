@@ -1,0 +1,61 @@
+"""Payloads between stages (O(1) per step after the first) and the inbox each stage reads them from."""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+import torch
+
+from omnistage.engine.request import Request
+
+T = TypeVar("T")
+
+
+@dataclass
+class TalkerPrompt:
+    """The first thinker->talker payload: what the talker prompt is built from."""
+
+    prompt_ids: torch.Tensor  # [L] thinker prompt ids
+    embeds: torch.Tensor  # [L, Ht] thinker input embeddings (encoder rows scattered in)
+    mm_hidden: torch.Tensor | None  # [M, Ht] accept-layer hidden rows at the M multimodal positions
+
+
+@dataclass
+class TextChunk:
+    """One generated thinker token (its input embedding), or the end of the text (`finished`)."""
+
+    request: Request
+    embed: torch.Tensor | None = None  # [Ht]
+    prompt: TalkerPrompt | None = None  # only with the first token
+    finished: bool = False
+
+
+@dataclass
+class FrameChunk:
+    """One codec frame [G] for code2wav, or the end of the frames (`finished`)."""
+
+    request: Request
+    frame: torch.Tensor | None = None
+    finished: bool = False
+
+
+class Inbox(Generic[T]):
+    """A thread-safe FIFO; `put` never blocks, `drain` takes everything queued."""
+
+    def __init__(self, wake: threading.Event | None = None) -> None:
+        self._items: deque[T] = deque()
+        self._wake = wake
+
+    def put(self, item: T) -> None:
+        self._items.append(item)
+        if self._wake is not None:
+            self._wake.set()
+
+    def drain(self) -> list[T]:
+        out = []
+        while self._items:
+            out.append(self._items.popleft())
+        return out

@@ -1,0 +1,158 @@
+"""Talker stage: one codec frame per request per step (talker forward, codebook 0, 15 code-predictor
+passes, next input), batched across requests. A request joins after the thinker's first token and
+then needs one text row per frame; it waits only when the thinker lags."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.request import Request
+from omnistage.layers.attention import allocate_kv_cache
+from omnistage.layers.context import build_context, forward_context
+from omnistage.layers.sampling import SamplingTensors
+from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds
+from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk
+
+
+@dataclass
+class TalkerSeq:
+    req: Request
+    prompt_rows: torch.Tensor  # [Lp, H]
+    seen: torch.Tensor  # [V] bool: generated codebook-0 codes (repetition penalty)
+    texts: deque[torch.Tensor] = field(default_factory=deque)  # thinker embeds of g_1, g_2, ... not yet used
+    num_texts: int = 1  # thinker tokens received (g_0 is in the prompt)
+    thinker_done: bool = False
+    frames: int = 0
+    num_computed: int = 0
+    codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
+
+    def next_input(self, talker: torch.nn.Module) -> torch.Tensor | None:
+        """Rows to feed this step: the prompt, or last frame's codec embedding + the next text row
+        (transformers' trailing_text_hidden[t]: g_{t+1}, then tts_eos once, then tts_pad); None = wait."""
+        if self.num_computed == 0:
+            return self.prompt_rows
+        t = self.frames - 1
+        if self.num_texts >= t + 3:
+            return (self.codec_embed + next_text_row(talker, self.texts.popleft()))[None]
+        if not self.thinker_done:
+            return None
+        final = t == max(self.num_texts - 2, 0)
+        return (self.codec_embed + next_text_row(talker, None, final=final))[None]
+
+
+class TalkerStage:
+    def __init__(self, talker: torch.nn.Module, config: Any, to_code2wav: Callable[[FrameChunk], None],
+                 thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
+                 block_size: int = 16) -> None:
+        self.talker, self.to_code2wav = talker, to_code2wav
+        p = next(talker.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        talker.set_tts_embeds(thinker_tts_embeds.to(self.device))
+        self.tokens = TalkerTokens.from_config(config)
+        self.max_batch_size = max_batch_size
+        self.blocks = BlockManager(num_blocks, block_size)
+        allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
+        self.inbox: Inbox[TextChunk] = Inbox()
+        self.seqs: dict[str, TalkerSeq] = {}
+        self.waiting: deque[TalkerSeq] = deque()
+
+    def add(self, chunk: TextChunk) -> None:
+        self.inbox.put(chunk)
+
+    def abort(self, request_id: str) -> None:
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq in self.waiting:
+            self.waiting.remove(seq)
+        self.blocks.release(request_id)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.seqs)
+
+    @torch.no_grad()
+    def _receive(self) -> None:
+        for chunk in self.inbox.drain():
+            rid = chunk.request.request_id
+            if chunk.prompt is not None:
+                self._admit(chunk)
+            elif rid in self.seqs:
+                seq = self.seqs[rid]
+                if chunk.finished:
+                    seq.thinker_done = True
+                else:
+                    seq.texts.append(chunk.embed)
+                    seq.num_texts += 1
+
+    def _admit(self, chunk: TextChunk) -> None:
+        req, p = chunk.request, chunk.prompt
+        rows = prompt_embeds(self.talker, self.tokens, p.prompt_ids, p.embeds.to(self.dtype), p.mm_hidden,
+                             next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
+        seen = torch.zeros(self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
+        seq = TalkerSeq(req, rows, seen)
+        self.seqs[req.request_id] = seq
+        self.waiting.append(seq)
+
+    def _schedule(self) -> list[tuple[TalkerSeq, torch.Tensor]]:
+        self._receive()
+        while self.waiting:
+            seq = self.waiting[0]
+            need = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
+            if not self.blocks.can_allocate(seq.req.request_id, need):
+                break
+            self.blocks.allocate(seq.req.request_id, need)
+            self.waiting.popleft()
+        batch = []
+        for seq in self.seqs.values():
+            if seq in self.waiting or len(batch) >= self.max_batch_size:
+                continue
+            rows = seq.next_input(self.talker)
+            if rows is not None:
+                batch.append((seq, rows))
+        return batch
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        batch = self._schedule()
+        if not batch:
+            return False
+        seqs = [s for s, _ in batch]
+        lens = [r.shape[0] for _, r in batch]
+        positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n, device=self.device)
+                               for s, n in zip(seqs, lens)])
+        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
+        ctx = build_context([s.num_computed for s in seqs], lens, [self.blocks.tables[s.req.request_id] for s in seqs],
+                            self.blocks.block_size, self.device)
+        params = [s.req.talker_sampling for s in seqs]
+        st = SamplingTensors.build(params, [s.req.seed + 1 for s in seqs], self.device)
+        seen = torch.stack([s.seen for s in seqs])
+        frame_index = torch.tensor([s.frames for s in seqs], device=self.device)
+        with forward_context(ctx):
+            frames, codec_embeds = self.talker.step(torch.cat([r for _, r in batch]), positions, last, st,
+                                                    frame_index, seen)
+        c0 = frames[:, 0].tolist()
+        for i, (seq, n) in enumerate(zip(seqs, lens)):
+            seq.seen.copy_(seen[i])
+            seq.num_computed += n
+            self._advance(seq, frames[i], codec_embeds[i], c0[i])
+        return True
+
+    def _advance(self, seq: TalkerSeq, frame: torch.Tensor, codec_embed: torch.Tensor, c0: int) -> None:
+        tp = seq.req.talker_sampling
+        if c0 == self.talker.codec_eos and not tp.ignore_eos:
+            return self._finish(seq)
+        seq.frames += 1
+        seq.codec_embed = codec_embed
+        self.to_code2wav(FrameChunk(seq.req, frame))
+        if seq.frames >= tp.max_frames:
+            self._finish(seq)
+
+    def _finish(self, seq: TalkerSeq) -> None:
+        seq.req.usage.audio_frames = seq.frames
+        self.abort(seq.req.request_id)
+        self.to_code2wav(FrameChunk(seq.req, finished=True))

@@ -1,0 +1,206 @@
+"""Thinker stage: continuous batching over a paged KV cache; chunked prefill within a token budget."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.detokenizer import IncrementalDetokenizer
+from omnistage.engine.request import Request
+from omnistage.layers.attention import allocate_kv_cache
+from omnistage.layers.context import build_context, forward_context
+from omnistage.layers.sampling import SamplingTensors, record_tokens, sample
+from omnistage.outputs import OutputDelta
+from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
+
+
+@dataclass
+class ThinkerSeq:
+    req: Request
+    prompt_ids: torch.Tensor  # [L]
+    embeds: torch.Tensor  # [L, H]
+    mm_mask: torch.Tensor  # [L] bool
+    detok: IncrementalDetokenizer
+    seen: torch.Tensor | None  # [V] bool, prompt + output (repetition penalty)
+    counts: torch.Tensor | None  # [V] int, output only (presence / frequency penalties)
+    num_computed: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    mm_hidden: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_computed < self.prompt_len
+
+
+class ThinkerStage:
+    def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
+                 *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
+                 block_size: int = 16) -> None:
+        self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
+        p = next(thinker.parameters())
+        self.device, self.dtype = p.device, p.dtype
+        self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
+        self.blocks = BlockManager(num_blocks, block_size)
+        allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
+        self.vocab = thinker.lm_head.out_features
+        self.accept_layer = config.talker_config.accept_hidden_layer
+        self.eos_ids = {config.im_end_token_id}
+        self.inbox: Inbox[Request] = Inbox()
+        self.waiting: deque[ThinkerSeq] = deque()
+        self.running: list[ThinkerSeq] = []
+
+    def add(self, req: Request) -> None:
+        self.inbox.put(req)
+
+    def abort(self, request_id: str) -> None:
+        for seq in [*self.waiting, *self.running]:
+            if seq.req.request_id == request_id:
+                self._release(seq)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    @torch.no_grad()
+    def _admit(self, req: Request) -> ThinkerSeq:
+        ids = torch.tensor(req.prompt.input_ids, device=self.device)
+        audio = None
+        if req.prompt.input_features is not None:
+            audio = self.thinker.encode_audio(req.prompt.input_features.to(self.device, self.dtype),
+                                              req.prompt.feature_attention_mask.to(self.device))
+        embeds, _ = self.thinker.embed(ids, audio_embeds=audio)
+        sp = req.sampling
+        seen = counts = None
+        if sp.repetition_penalty != 1.0:
+            seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
+            seen[ids] = True
+        if sp.presence_penalty or sp.frequency_penalty:
+            counts = torch.zeros(self.vocab, dtype=torch.int32, device=self.device)
+        mm = torch.isin(ids, torch.tensor(sorted(self._mm_ids()), device=self.device))
+        return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(self.tokenizer, req.prompt.input_ids), seen,
+                          counts)
+
+    def _mm_ids(self) -> set[int]:
+        t = self.thinker
+        return {t.audio_token_id, t.image_token_id, t.video_token_id}
+
+    def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
+        """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
+        for req in self.inbox.drain():
+            self.waiting.append(self._admit(req))
+        batch = [(s, 1) for s in self.running if not s.in_prefill][: self.max_batch_size]
+        budget = self.token_budget - len(batch)
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0 or len(batch) >= self.max_batch_size:
+                return batch
+            n = min(seq.prompt_len - seq.num_computed, budget)
+            batch.append((seq, n))
+            budget -= n
+        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
+            seq = self.waiting[0]
+            total = seq.prompt_len + seq.req.sampling.max_tokens
+            if not self.blocks.can_allocate(seq.req.request_id, total):
+                break
+            self.blocks.allocate(seq.req.request_id, total)
+            self.running.append(self.waiting.popleft())
+            n = min(seq.prompt_len, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        batch = self._schedule()
+        if not batch:
+            return False
+        rows, positions = [], []
+        for seq, n in batch:
+            start = seq.num_computed
+            if seq.in_prefill:
+                rows.append(seq.embeds[start:start + n])
+            else:
+                rows.append(self.thinker.model.embed_tokens(torch.tensor(seq.output_ids[-1:], device=self.device)))
+            positions.append(torch.arange(start, start + n, device=self.device))
+        capture = self.accept_layer if any(s.in_prefill and bool(s.mm_mask.any()) for s, _ in batch) else None
+        ctx = build_context([s.num_computed for s, _ in batch], [n for _, n in batch],
+                            [self.blocks.tables[s.req.request_id] for s, _ in batch], self.blocks.block_size,
+                            self.device)
+        with forward_context(ctx):
+            hidden, accept = self.thinker.model(torch.cat(rows), torch.cat(positions), capture)
+        offset, samplers = 0, []
+        for seq, n in batch:
+            if capture is not None and seq.in_prefill:
+                seq.mm_hidden.append(accept[offset:offset + n][seq.mm_mask[seq.num_computed:seq.num_computed + n]])
+            seq.num_computed += n
+            offset += n
+            if not seq.in_prefill:
+                samplers.append((seq, offset - 1))
+        if samplers:
+            self._sample(samplers, hidden)
+        return True
+
+    def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor) -> None:
+        seqs = [s for s, _ in samplers]
+        logits = self.thinker.compute_logits(hidden[torch.tensor([i for _, i in samplers], device=self.device)])
+        st = SamplingTensors.build([s.req.sampling for s in seqs], [s.req.seed for s in seqs], self.device)
+        seen = self._stack([s.seen for s in seqs], torch.bool)
+        counts = self._stack([s.counts for s in seqs], torch.int32)
+        steps = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
+        tokens = sample(logits, st, steps, seen=seen, counts=counts)
+        for seq, token in zip(seqs, tokens.tolist()):
+            self._append(seq, token)
+
+    def _stack(self, rows: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
+        if all(r is None for r in rows):
+            return None
+        zero = torch.zeros(self.vocab, dtype=dtype, device=self.device)
+        return torch.stack([zero if r is None else r for r in rows])
+
+    def _append(self, seq: ThinkerSeq, token: int) -> None:
+        seq.output_ids.append(token)
+        t = torch.tensor([token], device=self.device)
+        record_tokens(t, None if seq.seen is None else seq.seen[None], None if seq.counts is None else seq.counts[None])
+        req, sp = seq.req, seq.req.sampling
+        text = seq.detok.step(token)
+        stop_at = next((seq.detok.text.find(s) for s in sp.stop if s in seq.detok.text), -1)
+        if stop_at >= 0:
+            text = text[: max(0, len(text) - (len(seq.detok.text) - stop_at))]
+        if req.want_audio:
+            embed = self.thinker.model.embed_tokens(t)[0]
+            prompt = None
+            if len(seq.output_ids) == 1:
+                mm = torch.cat(seq.mm_hidden) if seq.mm_hidden else None
+                prompt = TalkerPrompt(seq.prompt_ids, seq.embeds, mm)
+            self.to_talker(TextChunk(req, embed, prompt))
+        if text or stop_at >= 0:
+            req.emit(OutputDelta(req.request_id, text=text, token_ids=[token]))
+        stopped = stop_at >= 0 or token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos)
+        if stopped or len(seq.output_ids) >= sp.max_tokens:
+            req.finish_reason = "stop" if stopped else "length"
+            self._finish(seq)
+
+    def _finish(self, seq: ThinkerSeq) -> None:
+        req = seq.req
+        req.usage.prompt_tokens = seq.prompt_len
+        req.usage.completion_tokens = len(seq.output_ids)
+        self._release(seq)
+        if req.want_audio:
+            self.to_talker(TextChunk(req, finished=True))
+        else:
+            req.finish()
+
+    def _release(self, seq: ThinkerSeq) -> None:
+        self.blocks.release(seq.req.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
