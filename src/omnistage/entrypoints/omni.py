@@ -9,12 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from omnistage.engine.request import Request
-from omnistage.layers.sampling import request_seed
-from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.outputs import SAMPLE_RATE, OutputDelta, Usage
 from omnistage.pipeline.orchestrator import Orchestrator
-from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
 @dataclass
@@ -55,17 +51,6 @@ class Omni:
             model = tiny_checkpoint()
         self.engine = Orchestrator(model, **engine_kwargs)
 
-    def make_request(self, messages: list[dict] | None, prompt_token_ids: list[int] | None, *, want_audio: bool,
-                     voice: str, sampling: Any, talker_sampling: Any, emit) -> Request:
-        if (messages is None) == (prompt_token_ids is None):
-            raise ValueError("give exactly one of messages and prompt_token_ids")
-        prompt = PromptInputs(list(prompt_token_ids)) if messages is None else self.engine.processor(messages)
-        sp = from_dict(SamplingParams, sampling)
-        if want_audio and voice.lower() not in self.engine.voices:
-            raise ValueError(f"unknown voice {voice!r}; choose from {self.engine.voices}")
-        return Request(uuid.uuid4().hex, prompt, sp, from_dict(TalkerSamplingParams, talker_sampling),
-                       request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
-
     def chat(self, messages: list | None = None, *, prompt_token_ids: list | None = None,
              modalities: list[str] = ("text", "audio"), voice: str | list[str] = "Ethan", sampling: Any = None,
              talker_sampling: Any = None) -> ChatResult | list[ChatResult]:
@@ -75,7 +60,7 @@ class Omni:
         ids = (prompt_token_ids if batched else [prompt_token_ids]) if prompt_token_ids is not None else None
         n = len(convs if convs is not None else ids)
         results = [ChatResult() for _ in range(n)]
-        reqs = [self.make_request(None if convs is None else convs[i], None if ids is None else ids[i],
+        reqs = [self.engine.make_request(uuid.uuid4().hex, None if convs is None else convs[i], None if ids is None else ids[i],
                                   want_audio="audio" in modalities, voice=v, sampling=s, talker_sampling=t,
                                   emit=results[i].add)
                 for i, (v, s, t) in enumerate(zip(_per_request(voice, n, "voice"), _per_request(sampling, n, "sampling"),

@@ -4,18 +4,23 @@ them from one loop (offline: `run_until_done`; online: a background thread)."""
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from omnistage.config import DeployConfig, StageConfig, default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
+from omnistage.layers.sampling import request_seed
 from omnistage.models.qwen3_omni.model import build_stage, load_config, resolve_dtype
-from omnistage.models.qwen3_omni.prompt import PromptProcessor
+from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
+from omnistage.outputs import OutputDelta
 from omnistage.pipeline.code2wav_stage import Code2WavStage
 from omnistage.pipeline.talker_stage import TalkerStage
 from omnistage.pipeline.thinker_stage import ThinkerStage
 from omnistage.platform import current_platform
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
 def _num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
@@ -79,6 +84,20 @@ class Orchestrator:
 
     def _to_code2wav(self, chunk) -> None:
         self.code2wav.add(chunk)
+
+    def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
+                     want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
+                     emit: Callable[[OutputDelta], None]) -> Request:
+        """A request from chat messages (through the processor) or prompt ids; sampling as objects or dicts."""
+        if (messages is None) == (prompt_token_ids is None):
+            raise ValueError("give exactly one of messages and prompt_token_ids")
+        prompt = PromptInputs(list(prompt_token_ids)) if messages is None else self.processor(messages)
+        sp = from_dict(SamplingParams, sampling)
+        voice = voice or "Ethan"
+        if want_audio and voice.lower() not in self.voices:
+            raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
+        return Request(request_id, prompt, sp, from_dict(TalkerSamplingParams, talker_sampling),
+                       request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def add_request(self, req: Request) -> None:
         if req.want_audio and self.talker is None:
