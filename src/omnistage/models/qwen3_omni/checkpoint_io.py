@@ -1,4 +1,4 @@
-"""safetensors checkpoints in HF's layout: one `model.safetensors`, or shards plus `model.safetensors.index.json`."""
+"""safetensors checkpoints in HF's layout: `model.safetensors`, or shards + `model.safetensors.index.json`."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ def shard_name(index: int, count: int) -> str:
 
 
 def plan_shards(sizes: Sequence[int], max_shard_bytes: int) -> list[list[int]]:
-    """Consecutive groups of item indices of at most `max_shard_bytes` each (an item larger than that stands alone)."""
+    """Consecutive groups of item indices, at most `max_shard_bytes` each (a larger item stands alone)."""
     groups: list[list[int]] = []
     used = max_shard_bytes
     for i, size in enumerate(sizes):
@@ -30,7 +30,7 @@ def plan_shards(sizes: Sequence[int], max_shard_bytes: int) -> list[list[int]]:
 
 
 def write_checkpoint(out_dir: Path, shards: Sequence[Callable[[], dict[str, torch.Tensor]]]) -> list[Path]:
-    """Write each shard's tensors (made on demand, one shard in memory at a time); byte-for-byte deterministic."""
+    """Write each shard's tensors (made on demand, one shard in memory at a time); deterministic bytes."""
     from safetensors.torch import save_file
 
     weight_map: dict[str, str] = {}

@@ -52,7 +52,8 @@ def hf_to_checkpoint_name(name: str) -> str:
 
 
 def checkpoint_to_hf_name(name: str) -> str:
-    """Checkpoint name -> HF in-memory name; a per-expert name maps to its fused tensor's name."""
+    """Checkpoint name -> HF in-memory name in transformers 5.24's layout (5.17 keeps checkpoint names in
+    memory); a per-expert name maps to its fused tensor's name."""
     slot = expert_slot(name)
     if slot is not None:
         name = slot.fused_name
@@ -63,7 +64,7 @@ def checkpoint_to_hf_name(name: str) -> str:
 
 
 def expert_slot(name: str) -> ExpertSlot | None:
-    """The fused tensor (same naming scheme as `name`) and slice of a per-expert checkpoint tensor, else None."""
+    """Fused tensor (named like `name`) and slice of a per-expert checkpoint tensor; None for other names."""
     match = _EXPERT.match(name)
     if match is None:
         return None
@@ -72,7 +73,7 @@ def expert_slot(name: str) -> ExpertSlot | None:
 
 
 def split_stage(name: str) -> tuple[str, str]:
-    """Checkpoint name -> (stage, our module name), e.g. "thinker.model.norm.weight" -> ("thinker", "model.norm.weight")."""
+    """Checkpoint name -> (stage, our module name), e.g. ("thinker", "model.norm.weight")."""
     stage, _, rest = name.partition(".")
     if stage not in STAGES:
         raise ValueError(f"tensor {name!r} belongs to no stage {STAGES}")

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,7 +63,8 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
     path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
 
 
-def _shard_maker(params: list[tuple[str, tuple[int, ...]]], seed: int):
+def _shard_maker(params: list[tuple[str, tuple[int, ...]]], seed: int
+                 ) -> Callable[[], dict[str, torch.Tensor]]:
     def make() -> dict[str, torch.Tensor]:
         out = {}
         for hf_name, shape in params:
@@ -73,13 +75,18 @@ def _shard_maker(params: list[tuple[str, tuple[int, ...]]], seed: int):
     return make
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, preset: str = "tiny", overrides: dict[str, Any] | None = None,
+def make_tiny(out_dir: str | Path, seed: int = 0, preset: str = "tiny",
+              overrides: dict[str, Any] | None = None, *,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
-    """Write config, generation config, safetensors (sharded past `max_shard_bytes`), tokenizer and processor files."""
+    """Write config, generation config, safetensors (sharded past `max_shard_bytes`), tokenizer and
+    processor files into `out_dir`; `overrides` deep-merge into the preset's config."""
+    import transformers
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = deep_merge(preset_config(preset), overrides or {})
-    config["dtype"] = "float32"
+    # NOTE: without transformers_version, transformers 5.17 warns that the tokenizer has "an incorrect regex"
+    config.update(dtype="float32", transformers_version=transformers.__version__)
     params = hf_parameter_shapes(config)
     groups = plan_shards([4 * torch.Size(shape).numel() for _, shape in params], max_shard_bytes)
     write_checkpoint(out, [_shard_maker([params[i] for i in g], seed) for g in groups])
@@ -125,7 +132,8 @@ def add_make_tiny_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def main_make_tiny(argv: list[str] | None = None) -> int:
     """`omnistage make-tiny OUT_DIR [--preset tiny] [--seed 0] [--max-shard-mb 50]`."""
     args = add_make_tiny_args(argparse.ArgumentParser(prog="omnistage make-tiny")).parse_args(argv)
-    out = make_tiny(args.out_dir, seed=args.seed, preset=args.preset, max_shard_bytes=int(args.max_shard_mb * 1e6))
+    max_shard_bytes = int(args.max_shard_mb * 1e6)
+    out = make_tiny(args.out_dir, seed=args.seed, preset=args.preset, max_shard_bytes=max_shard_bytes)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.1f} MB, preset={args.preset}, seed={args.seed})")
     return 0

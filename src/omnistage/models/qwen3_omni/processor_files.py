@@ -24,7 +24,8 @@ def tokenizer_config() -> dict[str, Any]:
     return dict(
         tokenizer_class="Qwen2Tokenizer", model_max_length=MODEL_MAX_LENGTH, bos_token=None,
         eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, add_bos_token=False,
-        add_prefix_space=False, clean_up_tokenization_spaces=False, split_special_tokens=False, errors="replace",
+        add_prefix_space=False, clean_up_tokenization_spaces=False, split_special_tokens=False,
+        errors="replace",
         extra_special_tokens=MULTIMODAL_TOKENS, processor_class=PROCESSOR_CLASS,
     )
 
@@ -32,9 +33,9 @@ def tokenizer_config() -> dict[str, Any]:
 def feature_extractor_config(audio: dict[str, Any]) -> dict[str, Any]:
     """WhisperFeatureExtractor: 128 log-mel bins at 16 kHz, 10 ms hop (100 frames per second)."""
     return dict(
-        feature_extractor_type="WhisperFeatureExtractor", feature_size=audio["num_mel_bins"], sampling_rate=16000,
-        hop_length=160, n_fft=400, chunk_length=300, n_samples=4_800_000, nb_max_frames=30_000,
-        padding_side="right", padding_value=0.0, return_attention_mask=True, dither=0.0,
+        feature_extractor_type="WhisperFeatureExtractor", feature_size=audio["num_mel_bins"],
+        sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=300, n_samples=4_800_000,
+        nb_max_frames=30_000, padding_side="right", padding_value=0.0, return_attention_mask=True, dither=0.0,
     )
 
 
@@ -56,7 +57,7 @@ def _write_json(path: Path, obj: dict[str, Any]) -> None:
 
 
 def write_processor_files(out_dir: Path, config: dict[str, Any]) -> None:
-    """tokenizer.json (the rebuilt Qwen BPE), tokenizer_config.json, chat_template.jinja and the processor configs."""
+    """tokenizer.json (rebuilt Qwen BPE), tokenizer_config.json, chat_template.jinja, processor configs."""
     thinker = config["thinker_config"]
     shutil.copyfile(tokenizer_json(), out_dir / "tokenizer.json")
     _write_json(out_dir / "tokenizer_config.json", tokenizer_config())
@@ -64,5 +65,6 @@ def write_processor_files(out_dir: Path, config: dict[str, Any]) -> None:
     preprocessor = {**feature_extractor_config(thinker["audio_config"]),
                     **image_processor_config(thinker["vision_config"])}
     _write_json(out_dir / "preprocessor_config.json", preprocessor)
-    _write_json(out_dir / "video_preprocessor_config.json", image_processor_config(thinker["vision_config"], "video"))
+    video = image_processor_config(thinker["vision_config"], "video")
+    _write_json(out_dir / "video_preprocessor_config.json", video)
     _write_json(out_dir / "processor_config.json", {"processor_class": PROCESSOR_CLASS})

@@ -58,7 +58,7 @@ def load_ranks(path: Path | None = None) -> dict[bytes, int]:
 
 def bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character map used by byte-level BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]  # "!".."~", "¡".."¬", "®".."ÿ"
     table = {b: chr(b) for b in printable}
     for n, b in enumerate(b for b in range(256) if b not in table):
         table[b] = chr(256 + n)
@@ -99,7 +99,16 @@ def derive_merges(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 
 def build_tokenizer(ranks: dict[bytes, int] | None = None):
     """The Qwen tokenizer as a `tokenizers.Tokenizer` (same pipeline as Qwen's tokenizer.json)."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+    )
 
     ranks = ranks if ranks is not None else load_ranks()
     table = bytes_to_unicode()
