@@ -21,7 +21,6 @@ class AsyncOmni:
 
             model = tiny_checkpoint()
         self.engine = Orchestrator(model, **engine_kwargs)
-        self.engine.start()
 
     async def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                        talker_sampling: TalkerSamplingParams | None, voice: str | None,

@@ -67,5 +67,5 @@ class Omni:
                                                   _per_request(talker_sampling, n, "talker_sampling")))]
         for req in reqs:
             self.engine.add_request(req)
-        self.engine.run_until_done()
+        self.engine.wait([r.request_id for r in reqs])
         return results if batched else results[0]

@@ -9,7 +9,7 @@ import torch
 
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
-from omnistage.pipeline.connector import FrameChunk, Inbox
+from omnistage.pipeline.connector import FrameChunk, Inbox, arrive
 
 
 @dataclass
@@ -27,6 +27,7 @@ class Code2WavStage:
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
         self.max_batch_size = max_batch_size
+        self.device = next(code2wav.parameters()).device
 
     def add(self, chunk: FrameChunk) -> None:
         self.inbox.put(chunk)
@@ -54,7 +55,7 @@ class Code2WavStage:
             if chunk.finished:
                 seq.done = True
             else:
-                seq.pending.append(chunk.frame)
+                seq.pending.append(arrive(chunk.frame, self.device))
 
     def _target(self, seq: WavSeq) -> int:
         return self.initial if seq.state.frames == 0 else self.chunk

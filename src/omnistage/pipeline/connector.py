@@ -47,15 +47,24 @@ class Inbox(Generic[T]):
 
     def __init__(self, wake: threading.Event | None = None) -> None:
         self._items: deque[T] = deque()
-        self._wake = wake
+        self.wake = wake
 
     def put(self, item: T) -> None:
         self._items.append(item)
-        if self._wake is not None:
-            self._wake.set()
+        if self.wake is not None:
+            self.wake.set()
 
     def drain(self) -> list[T]:
         out = []
         while self._items:
             out.append(self._items.popleft())
         return out
+
+
+def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A tensor from another stage's stream (or device), safe to use on this stage's stream."""
+    t = t.to(device, non_blocking=True)
+    if t.is_cuda:
+        # NOTE: without this the producer's allocator may reuse the memory while our stream still reads it.
+        t.record_stream(torch.cuda.current_stream(t.device))
+    return t

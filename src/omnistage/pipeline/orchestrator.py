@@ -1,5 +1,5 @@
-"""Builds the stages from a checkpoint and a deploy config, moves requests through them, and drives
-them from one loop (offline: `run_until_done`; online: a background thread)."""
+"""Builds the stages from a checkpoint and a deploy config, each on its device, drives each from its
+own worker thread, moves requests through them, and fails requests loudly if a stage fails."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from omnistage.outputs import OutputDelta
 from omnistage.pipeline.code2wav_stage import Code2WavStage
 from omnistage.pipeline.talker_stage import TalkerStage
 from omnistage.pipeline.thinker_stage import ThinkerStage
+from omnistage.pipeline.worker import StageWorker
 from omnistage.platform import current_platform
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
@@ -38,52 +39,51 @@ class Orchestrator:
     def __init__(self, model_dir: str | Path, *, deploy: DeployConfig | None = None, load_format: str = "auto",
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  seed: int = 0) -> None:
+        """`device` (if given) places every stage there; otherwise each stage goes to its deploy `devices[0]`."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         self.processor = PromptProcessor(model_dir)
-        device = torch.device(device or ("cuda" if current_platform() == "cuda" else "cpu"))
-        dtype = resolve_dtype(dtype or self.deploy.stages.thinker.dtype, device)
-        self.device, self.dtype = device, dtype
+        platform = current_platform()
 
-        def build(stage: str) -> torch.nn.Module:
-            return build_stage(self.config, stage, model_dir=model_dir, load_format=load_format, device=device,
-                               dtype=dtype, seed=seed)
+        def place(name: str) -> tuple[StageConfig, torch.device, torch.dtype, torch.nn.Module]:
+            sc = self.deploy.stage(name)
+            dev = torch.device(device) if device is not None else platform.device(sc.devices[0])
+            dt = resolve_dtype(dtype or sc.dtype, dev)
+            module = build_stage(self.config, name, model_dir=model_dir, load_format=load_format, device=dev,
+                                 dtype=dt, seed=seed)
+            return sc, dev, dt, module
 
-        th = self.deploy.stages.thinker
-        thinker = build("thinker")
-        self.thinker = ThinkerStage(thinker, self.config, self.processor.tokenizer, self._to_talker,
+        th, th_dev, th_dt, thinker = place("thinker")
+        self.thinker = ThinkerStage(thinker, self.config, self.processor.tokenizer, self._to("talker"),
                                     max_batch_size=th.max_batch_size, max_num_batched_tokens=th.max_num_batched_tokens,
-                                    num_blocks=_num_blocks(th, thinker, device, dtype), block_size=th.block_size)
+                                    num_blocks=_num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size)
+        self.workers = {"thinker": StageWorker("thinker", self.thinker, th_dev, self._fail_all)}
         self.talker = self.code2wav = None
         if self.config.enable_audio_output:
-            tk, cw, conn = self.deploy.stages.talker, self.deploy.stages.code2wav, self.deploy.connector
-            talker = build("talker")
+            tk, tk_dev, tk_dt, talker = place("talker")
             ids = [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id]
-            tts = thinker.model.embed_tokens(torch.tensor(ids, device=device))
-            self.talker = TalkerStage(talker, self.config, self._to_code2wav, tts, max_batch_size=tk.max_batch_size,
-                                      num_blocks=_num_blocks(tk, talker, device, dtype), block_size=tk.block_size)
-            self.code2wav = Code2WavStage(build("code2wav"), max_batch_size=cw.max_batch_size,
+            tts = thinker.model.embed_tokens(torch.tensor(ids, device=th_dev))
+            self.talker = TalkerStage(talker, self.config, self._to("code2wav"), tts, max_batch_size=tk.max_batch_size,
+                                      num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size)
+            cw, cw_dev, _, code2wav = place("code2wav")
+            conn = self.deploy.connector
+            self.code2wav = Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
                                           initial_chunk_frames=conn.initial_codec_chunk_frames,
                                           chunk_frames=conn.codec_chunk_frames)
+            self.workers["talker"] = StageWorker("talker", self.talker, tk_dev, self._fail_all)
+            self.workers["code2wav"] = StageWorker("code2wav", self.code2wav, cw_dev, self._fail_all)
         self.requests: dict[str, Request] = {}
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._stop = False
-
-    @property
-    def stages(self) -> list:
-        return [s for s in (self.thinker, self.talker, self.code2wav) if s is not None]
+        self._done = threading.Condition()
+        self._error: BaseException | None = None
+        for w in self.workers.values():
+            w.start()
 
     @property
     def voices(self) -> list[str]:
         return sorted(self.config.talker_config.speaker_id)
 
-    def _to_talker(self, chunk) -> None:
-        self.talker.add(chunk)
-
-    def _to_code2wav(self, chunk) -> None:
-        self.code2wav.add(chunk)
+    def _to(self, stage: str) -> Callable[[Any], None]:
+        return lambda chunk: getattr(self, stage).add(chunk)
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
@@ -100,58 +100,51 @@ class Orchestrator:
                        request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def add_request(self, req: Request) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"the engine has failed: {self._error!r}")
         if req.want_audio and self.talker is None:
             raise ValueError("this checkpoint has no audio output (enable_audio_output is false)")
         emit = req.emit
 
-        def emit_and_forget(delta) -> None:
+        def emit_and_forget(delta: OutputDelta) -> None:
             if delta.finished:
-                self.requests.pop(req.request_id, None)
+                with self._done:
+                    self.requests.pop(req.request_id, None)
+                    self._done.notify_all()
             emit(delta)
 
         req.emit = emit_and_forget
-        self.requests[req.request_id] = req
+        with self._done:
+            self.requests[req.request_id] = req
         self.thinker.add(req)
-        self._wake.set()
 
     def abort(self, request_id: str) -> None:
         """Frees what the request holds in every stage; its stream gets no further items."""
-        with self._lock:
+        with self._done:
             req = self.requests.pop(request_id, None)
-            if req is None:
-                return
+            self._done.notify_all()
+        if req is not None:
             req.aborted = True
-            for stage in self.stages:
-                stage.abort(request_id)
+            for w in self.workers.values():
+                w.abort(request_id)
 
-    def step(self) -> bool:
-        with self._lock:
-            worked = False
-            for stage in self.stages:
-                worked |= stage.step()
-            return worked
+    def wait(self, request_ids: list[str]) -> None:
+        """Block until these requests finished (or were aborted); raises if a stage failed."""
+        with self._done:
+            self._done.wait_for(lambda: self._error is not None or not any(r in self.requests for r in request_ids))
+        if self._error is not None:
+            raise RuntimeError(f"the engine has failed: {self._error!r}") from self._error
 
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    def run_until_done(self) -> None:
-        while self.has_unfinished():
-            if not self.step() and self.has_unfinished():
-                raise RuntimeError(f"engine stalled with unfinished requests {sorted(self.requests)}")
-
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="omnistage-engine", daemon=True)
-            self._thread.start()
+    def _fail_all(self, error: BaseException) -> None:
+        with self._done:
+            self._error = error
+            reqs = list(self.requests.values())
+            self.requests.clear()
+            self._done.notify_all()
+        for req in reqs:
+            req.aborted = True
+            req.emit(OutputDelta(req.request_id, finished=True, finish_reason="error"))
 
     def shutdown(self) -> None:
-        self._stop = True
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout=10)
-
-    def _loop(self) -> None:
-        while not self._stop:
-            if not self.step():
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
+        for w in self.workers.values():
+            w.stop()

@@ -17,7 +17,7 @@ from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds
-from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk
+from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 
 
 @dataclass
@@ -79,6 +79,10 @@ class TalkerStage:
     def _receive(self) -> None:
         for chunk in self.inbox.drain():
             rid = chunk.request.request_id
+            if chunk.request.aborted:
+                continue
+            if chunk.embed is not None:
+                chunk.embed = arrive(chunk.embed, self.device)
             if chunk.prompt is not None:
                 self._admit(chunk)
             elif rid in self.seqs:
@@ -91,7 +95,9 @@ class TalkerStage:
 
     def _admit(self, chunk: TextChunk) -> None:
         req, p = chunk.request, chunk.prompt
-        rows = prompt_embeds(self.talker, self.tokens, p.prompt_ids, p.embeds.to(self.dtype), p.mm_hidden,
+        mm = None if p.mm_hidden is None else arrive(p.mm_hidden, self.device).to(self.dtype)
+        rows = prompt_embeds(self.talker, self.tokens, arrive(p.prompt_ids, self.device),
+                             arrive(p.embeds, self.device).to(self.dtype), mm,
                              next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
         seen = torch.zeros(self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
         seq = TalkerSeq(req, rows, seen)
@@ -156,3 +162,4 @@ class TalkerStage:
         seq.req.usage.audio_frames = seq.frames
         self.abort(seq.req.request_id)
         self.to_code2wav(FrameChunk(seq.req, finished=True))
+

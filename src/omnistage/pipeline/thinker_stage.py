@@ -96,7 +96,8 @@ class ThinkerStage:
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
         for req in self.inbox.drain():
-            self.waiting.append(self._admit(req))
+            if not req.aborted:
+                self.waiting.append(self._admit(req))
         batch = [(s, 1) for s in self.running if not s.in_prefill][: self.max_batch_size]
         budget = self.token_budget - len(batch)
         for seq in [s for s in self.running if s.in_prefill]:
@@ -156,8 +157,10 @@ class ThinkerStage:
         counts = self._stack([s.counts for s in seqs], torch.int32)
         steps = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
         tokens = sample(logits, st, steps, seen=seen, counts=counts)
-        for seq, token in zip(seqs, tokens.tolist()):
-            self._append(seq, token)
+        embeds = self.thinker.model.embed_tokens(tokens) if any(s.req.want_audio for s in seqs) else None
+        # NOTE: the one host sync of the step; it also makes `embeds` ready for the talker's stream.
+        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
+            self._append(seq, token, tokens[i:i + 1], None if embeds is None else embeds[i])
 
     def _stack(self, rows: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
         if all(r is None for r in rows):
@@ -165,9 +168,8 @@ class ThinkerStage:
         zero = torch.zeros(self.vocab, dtype=dtype, device=self.device)
         return torch.stack([zero if r is None else r for r in rows])
 
-    def _append(self, seq: ThinkerSeq, token: int) -> None:
+    def _append(self, seq: ThinkerSeq, token: int, t: torch.Tensor, embed: torch.Tensor | None) -> None:
         seq.output_ids.append(token)
-        t = torch.tensor([token], device=self.device)
         record_tokens(t, None if seq.seen is None else seq.seen[None], None if seq.counts is None else seq.counts[None])
         req, sp = seq.req, seq.req.sampling
         text = seq.detok.step(token)
@@ -175,7 +177,6 @@ class ThinkerStage:
         if stop_at >= 0:
             text = text[: max(0, len(text) - (len(seq.detok.text) - stop_at))]
         if req.want_audio:
-            embed = self.thinker.model.embed_tokens(t)[0]
             prompt = None
             if len(seq.output_ids) == 1:
                 mm = torch.cat(seq.mm_hidden) if seq.mm_hidden else None
