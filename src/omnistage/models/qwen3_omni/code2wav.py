@@ -82,7 +82,8 @@ class Code2WavTransformer(nn.Module):
         self.layers = nn.ModuleList(Code2WavDecoderLayer(config) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.window = config.sliding_window
-        self.rotary_emb = RotaryEmbedding(self.layers[0].self_attn.head_dim, config.rope_parameters["rope_theta"])
+        head_dim = self.layers[0].self_attn.head_dim
+        self.rotary_emb = RotaryEmbedding(head_dim, config.rope_parameters["rope_theta"])
 
     def _positions(self, b: int, n: int, ctx: StreamContext | None, device: torch.device):
         """Absolute frame positions of queries [B, n] and keys [B, L] (past window slots first)."""

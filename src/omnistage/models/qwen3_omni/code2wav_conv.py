@@ -115,7 +115,8 @@ class DecoderBlock(nn.Module):
         super().__init__()
         out_dim = in_dim // 2
         units = [DecoderResidualUnit(out_dim, d) for d in (1, 3, 9)]
-        self.block = nn.ModuleList([SnakeBeta(in_dim), CausalTransConv1d(in_dim, out_dim, 2 * rate, rate), *units])
+        upsample = CausalTransConv1d(in_dim, out_dim, 2 * rate, rate)
+        self.block = nn.ModuleList([SnakeBeta(in_dim), upsample, *units])
 
     def forward(self, x: torch.Tensor, ctx: StreamContext | None = None) -> torch.Tensor:
         act, upsample, *units = self.block
