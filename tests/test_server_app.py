@@ -128,9 +128,9 @@ def test_disconnect_mid_stream_aborts_the_request():
     head = ResponseHead(model="m")
 
     async def run() -> None:
-        from omnistage.server.app import _Clock
+        from omnistage.server.serving import RequestClock
 
-        body = _stream(req, head, engine.generate(head.id, [], None, None, None, False), engine, _Clock(),
+        body = _stream(req, head, engine.generate(head.id, [], None, None, None, False), engine, RequestClock(),
                        ServerMetrics())
         await body.__anext__()
         await body.__anext__()

@@ -1,10 +1,12 @@
-"""`omnistage` command line: make-tiny | generate (serve and bench join as they land)."""
+"""`omnistage` command line: make-tiny | generate | serve (bench joins as it lands)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from collections.abc import Callable
+
+from omnistage.server.launch import add_serve_args, serve
 
 
 def _make_tiny(args: argparse.Namespace) -> None:
@@ -54,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
     g.set_defaults(func=_generate)
+    s = add_serve_args(sub.add_parser("serve", help="the OpenAI-compatible HTTP server (chat, speech)"))
+    s.set_defaults(func=serve)
     return p
 
 

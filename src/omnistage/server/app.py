@@ -1,8 +1,7 @@
 """The OpenAI-compatible HTTP server: maps an engine's output stream (OutputDelta) to HTTP, nothing more.
 
-Skeleton against `EngineClient` (below) until the engine lands. Streaming audio goes out as
-`delta.audio.data` = base64 raw s16le 24 kHz mono (a "wav" stream: the first chunk opens with a header of
-unknown length, so the concatenated chunks are one WAV file).
+Streaming audio goes out as `delta.audio.data` = base64 raw s16le 24 kHz mono (a "wav" stream: the first
+chunk opens with a header of unknown length, so the concatenated chunks are one WAV file).
 """
 
 from __future__ import annotations
@@ -10,16 +9,13 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
-from typing import Protocol
 
-import anyio
-import numpy as np
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
+from starlette.requests import ClientDisconnect
 
 from omnistage.config import DeployConfig
-from omnistage.outputs import SAMPLE_RATE, OutputDelta, Usage
-from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.outputs import OutputDelta, Usage
 from omnistage.server.audio_format import AudioStreamEncoder, encode
 from omnistage.server.errors import (
     bad_request,
@@ -36,50 +32,33 @@ from omnistage.server.protocol import (
     thinker_sampling_params,
 )
 from omnistage.server.responses import SSE_DONE, ResponseHead, audio_delta, model_list, sse
+from omnistage.server.serving import (
+    EngineClient,
+    RequestClock,
+    abort_unfinished,
+    collect,
+    resolve_local_media,
+    start_request,
+    until_disconnect,
+)
+from omnistage.server.speech import install_speech
 
 logger = logging.getLogger(__name__)
-
-
-class EngineClient(Protocol):
-    """What the server needs from the engine (AsyncOmni)."""
-
-    def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
-                 talker_sampling: TalkerSamplingParams | None, voice: str | None,
-                 use_audio_in_video: bool) -> AsyncIterator[OutputDelta]: ...
-
-    async def abort(self, request_id: str) -> None: ...
-
-
-class _Clock:
-    """Per-request times (seconds since arrival) for the metrics."""
-
-    def __init__(self) -> None:
-        self.start = time.perf_counter()
-        self.ttft: float | None = None
-        self.ttfp: float | None = None
-        self.last_audio: float | None = None
-        self.samples = 0
-
-    def saw(self, delta: OutputDelta) -> None:
-        now = time.perf_counter() - self.start
-        if delta.text and self.ttft is None:
-            self.ttft = now
-        if delta.audio is not None and delta.audio.size:
-            self.ttfp = now if self.ttfp is None else self.ttfp
-            self.last_audio, self.samples = now, self.samples + delta.audio.size
-
-    def report(self, metrics: ServerMetrics) -> None:
-        metrics.observe_finished(time.perf_counter() - self.start, self.ttft, self.ttfp,
-                                 self.samples / SAMPLE_RATE, self.last_audio)
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; only the metrics see it
 
 
 def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voices: Sequence[str],
-               api_key: str | None = None, metrics: ServerMetrics | None = None) -> FastAPI:
+               api_key: str | None = None, metrics: ServerMetrics | None = None, *,
+               model_info: dict | None = None, allowed_local_media_path: str | None = None) -> FastAPI:
+    """`model_info`: extra fields of the model's /v1/models entry; `allowed_local_media_path`: the folder
+    `file://` media may come from (none: no local files)."""
     app = FastAPI(title="omnistage")
     install_error_handlers(app)
+    app.add_exception_handler(ClientDisconnect, _client_gone)
     install_api_key(app, api_key)
     metrics = metrics or ServerMetrics()
     install_metrics(app, metrics)
+    install_speech(app, engine, model_name, deploy, voices, metrics)
     started = int(time.time())
 
     @app.get("/health")
@@ -88,22 +67,25 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return model_list([model_name], started)
+        body = model_list([model_name], started)
+        body["data"][0].update(model_info or {})
+        return body
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest) -> Response | dict:
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response | dict:
         if req.model not in (None, model_name):
             raise model_not_found(req.model)
-        messages = _messages(req)
+        messages = await resolve_local_media(_messages(req), allowed_local_media_path)
         sampling = thinker_sampling_params(req, deploy.stages.thinker.sampling)
         talker = talker_sampling_params(req, deploy.stages.talker.sampling) if req.wants_audio else None
         voice = resolve_voice(req.audio.voice, voices) if req.audio else None
-        head, clock = ResponseHead(model=model_name), _Clock()
-        deltas = engine.generate(head.id, messages, sampling, talker, voice, req.use_audio_in_video)
+        head, clock = ResponseHead(model=model_name), RequestClock()
+        deltas = await until_disconnect(request, start_request(engine, head.id, messages, sampling, talker,
+                                                               voice, req.use_audio_in_video))
         if req.stream:
             body = _stream(req, head, deltas, engine, clock, metrics)
             return StreamingResponse(body, media_type="text/event-stream")
-        return await _collect(req, head, deltas, engine, clock, metrics)
+        return await until_disconnect(request, _collect(req, head, deltas, engine, clock, metrics))
 
     return app
 
@@ -118,25 +100,15 @@ def _messages(req: ChatCompletionRequest) -> list[dict]:
 
 
 async def _collect(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncIterator[OutputDelta],
-                   engine: EngineClient, clock: _Clock, metrics: ServerMetrics) -> dict:
-    text, audio, last = [], [], OutputDelta(head.id)
-    try:
-        async for last in deltas:
-            clock.saw(last)
-            text.append(last.text)
-            if last.audio is not None:
-                audio.append(last.audio)
-    finally:
-        await _abort_unfinished(engine, last)
+                   engine: EngineClient, clock: RequestClock, metrics: ServerMetrics) -> dict:
+    text, audio, last = await collect(deltas, engine, head.id, clock)
     clock.report(metrics)
-    wav = None
-    if req.audio:
-        wav = encode(np.concatenate(audio) if audio else np.zeros(0, np.float32), req.audio.format)
-    return head.completion("".join(text), last.finish_reason or "stop", last.usage or Usage(), wav)
+    wav = encode(audio, req.audio.format) if req.audio else None
+    return head.completion(text, last.finish_reason or "stop", last.usage or Usage(), wav)
 
 
 async def _stream(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncIterator[OutputDelta],
-                  engine: EngineClient, clock: _Clock, metrics: ServerMetrics) -> AsyncIterator[str]:
+                  engine: EngineClient, clock: RequestClock, metrics: ServerMetrics) -> AsyncIterator[str]:
     encoder = AudioStreamEncoder(req.audio.format) if req.audio else None
     audio_id: str | None = head.audio_id
     last = OutputDelta(head.id)
@@ -159,12 +131,9 @@ async def _stream(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncI
         logger.exception("request %s failed while streaming", head.id)
         yield sse(error_body("The server had an error while processing your request.", "server_error"))
     finally:
-        await _abort_unfinished(engine, last)
+        await abort_unfinished(engine, last)
     yield SSE_DONE
 
 
-async def _abort_unfinished(engine: EngineClient, last: OutputDelta) -> None:
-    if not last.finished:
-        # NOTE: shielded, or a client disconnect (a cancelled scope) would cancel the abort too.
-        with anyio.CancelScope(shield=True):
-            await engine.abort(last.request_id)
+async def _client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=CLIENT_CLOSED_REQUEST)

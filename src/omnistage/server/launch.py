@@ -1,0 +1,133 @@
+"""`omnistage serve`: find the checkpoint, load the deploy config, start the engine, run the HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from omnistage.config import ConfigError, DeployConfig, default_deploy_config, load_deploy_config
+from omnistage.platform import current_platform, detect_platform
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+
+    from omnistage.entrypoints.async_omni import AsyncOmni
+
+logger = logging.getLogger("omnistage.serve")
+
+DEFAULT_PORT = 8091
+TINY_MODEL_NAME = "qwen3-omni-tiny-random"
+RANDOM_WEIGHTS_NOTE = ("the weights are RANDOM: text and speech are noise; use it to try the API, "
+                       "not to judge quality")
+
+
+class LaunchError(SystemExit):
+    """A start-up problem the user can fix; the message says what."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(f"omnistage serve: {message}")
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    path: Path
+    name: str  # what clients send as `model`
+    random_weights: bool
+
+
+def resolve_model(model: str | None, served_model_name: str | None = None,
+                  load_format: str = "auto") -> ModelSource:
+    """No `model`: the built-in tiny random-weight checkpoint. A local directory is used as it is; any other
+    string that is not path-like is a Hugging Face Hub id, downloaded (needs internet)."""
+    if model is None:
+        from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+        return ModelSource(tiny_checkpoint(), served_model_name or TINY_MODEL_NAME, True)
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        if path.exists() or model.startswith(("/", ".", "~")) or model.count("/") > 1:
+            raise LaunchError(f"{model}: not a checkpoint directory")
+        path = download(model)
+    return ModelSource(path, served_model_name or model, load_format == "dummy")
+
+
+def download(repo_id: str) -> Path:
+    from huggingface_hub import snapshot_download
+
+    logger.info("%s is not a local directory: downloading it from the Hugging Face Hub", repo_id)
+    try:
+        return Path(snapshot_download(repo_id))
+    except Exception as e:  # offline, unknown repo, gated, ...: all end the start-up the same way
+        raise LaunchError(f"{repo_id!r} is not a local directory and the Hugging Face Hub download failed "
+                          f"({type(e).__name__}: {e}). Without internet, copy the checkpoint to this machine "
+                          "and pass its directory.") from None
+
+
+def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None,
+                  device: str | None) -> DeployConfig:
+    """The packaged config for the checkpoint's model_type unless `path`; its platform entry follows
+    `device` (cpu when the user asks for the CPU on an accelerator machine)."""
+    platform = "cpu" if device is not None and device.startswith("cpu") else detect_platform()
+    try:
+        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
+def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
+    """The app and its running engine, from `omnistage serve` arguments."""
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.server.app import create_app
+
+    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
+        raise LaunchError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    source = resolve_model(args.model, args.served_model_name, args.load_format)
+    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device)
+    logger.info("serving %s from %s", source.name, source.path)
+    if source.random_weights:
+        logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
+    logger.info("deploy config: %s", deploy.describe())
+    device = args.device or str(current_platform().device())
+    engine = AsyncOmni(source.path, deploy=deploy, device=device, dtype=args.dtype, load_format=args.load_format)
+    voices = engine.engine.voices
+    logger.info("voices: %s", ", ".join(voices))
+    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
+    if source.random_weights:
+        info["note"] = RANDOM_WEIGHTS_NOTE
+    app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
+                     allowed_local_media_path=args.allowed_local_media_path)
+    return app, engine
+
+
+def serve(args: argparse.Namespace) -> None:
+    import uvicorn
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, engine = build(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        engine.shutdown()
+
+
+def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory or Hugging Face Hub id (default: the built-in tiny random one)")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT)
+    p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
+    p.add_argument("--deploy-config", default=None,
+                   help="deploy YAML (default: the packaged one for config.json's model_type)")
+    p.add_argument("--stage-overrides", default=None,
+                   help='JSON keyed by stage, e.g. \'{"talker": {"max_batch_size": 16}}\'')
+    p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: seeded random weights for the checkpoint's architecture")
+    p.add_argument("--device", default=None, help="torch device (default: the platform's first)")
+    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the deploy config's)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
+    p.add_argument("--allowed-local-media-path", default=None,
+                   help="folder that file:// media in requests may come from (default: none)")
+    return p

@@ -1,0 +1,147 @@
+"""Running one request on the engine for an HTTP handler, shared by the chat and speech endpoints:
+admission errors as 400s, client disconnects as aborts in every stage, per-request times for the metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable
+from typing import Protocol, TypeVar
+
+import anyio
+import numpy as np
+from starlette.requests import ClientDisconnect, Request
+
+from omnistage.media import audio_from_url
+from omnistage.outputs import SAMPLE_RATE, OutputDelta
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.server.errors import bad_request
+from omnistage.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class EngineClient(Protocol):
+    """What the server needs from the engine (AsyncOmni). `generate` raises ValueError (omnistage.media.MediaError
+    is one) before its first item for a request the engine refuses: bad media, unknown voice, bad sampling."""
+
+    def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
+                 talker_sampling: TalkerSamplingParams | None, voice: str | None,
+                 use_audio_in_video: bool) -> AsyncIterator[OutputDelta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+
+class RequestClock:
+    """Per-request times (seconds since arrival) for the metrics."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.ttft: float | None = None
+        self.ttfp: float | None = None
+        self.last_audio: float | None = None
+        self.samples = 0
+
+    def saw(self, delta: OutputDelta) -> None:
+        now = time.perf_counter() - self.start
+        if delta.text and self.ttft is None:
+            self.ttft = now
+        if delta.audio is not None and delta.audio.size:
+            self.ttfp = now if self.ttfp is None else self.ttfp
+            self.last_audio, self.samples = now, self.samples + delta.audio.size
+
+    def report(self, metrics: ServerMetrics) -> None:
+        metrics.observe_finished(time.perf_counter() - self.start, self.ttft, self.ttfp,
+                                 self.samples / SAMPLE_RATE, self.last_audio)
+
+
+async def start_request(engine: EngineClient, request_id: str, messages: list[dict], sampling: SamplingParams,
+                        talker_sampling: TalkerSamplingParams | None, voice: str | None,
+                        use_audio_in_video: bool = False) -> AsyncIterator[OutputDelta]:
+    """The request's deltas once the engine has admitted it (its first delta is in hand), so a refusal is
+    still a 400 rather than a broken stream."""
+    deltas = engine.generate(request_id, messages, sampling, talker_sampling, voice, use_audio_in_video)
+    try:
+        first = await anext(deltas)
+    except StopAsyncIteration:
+        first = None
+    except ValueError as e:
+        raise bad_request(str(e)) from None
+    return _prepend(first, deltas)
+
+
+async def _prepend(first: OutputDelta | None, rest: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
+    try:
+        if first is not None:
+            yield first
+            async for delta in rest:
+                yield delta
+    finally:
+        await rest.aclose()
+
+
+async def collect(deltas: AsyncIterator[OutputDelta], engine: EngineClient, request_id: str,
+                  clock: RequestClock) -> tuple[str, np.ndarray, OutputDelta]:
+    """The whole answer: text, float32 audio (empty when none) and the last (finishing) delta."""
+    text, audio, last = [], [], OutputDelta(request_id)
+    try:
+        async for last in deltas:
+            clock.saw(last)
+            text.append(last.text)
+            if last.audio is not None:
+                audio.append(last.audio)
+    finally:
+        await abort_unfinished(engine, last)
+    return "".join(text), np.concatenate(audio) if audio else np.zeros(0, np.float32), last
+
+
+async def abort_unfinished(engine: EngineClient, last: OutputDelta) -> None:
+    if not last.finished:
+        logger.info("request %s stopped before it finished (client gone or error): aborting it",
+                    last.request_id)
+        # NOTE: shielded, or a client disconnect (a cancelled scope) would cancel the abort too.
+        with anyio.CancelScope(shield=True):
+            await engine.abort(last.request_id)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """`work`, cancelled when the client goes away first (then ClientDisconnect). Starlette notices a
+    disconnect only while it streams a body, so handlers that wait for the engine watch for it here."""
+    host = asyncio.current_task()
+
+    async def watch() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        host.cancel()
+
+    watcher = asyncio.create_task(watch())
+    try:
+        return await work
+    except asyncio.CancelledError:
+        if watcher.done() and not watcher.cancelled():
+            raise ClientDisconnect() from None
+        raise
+    finally:
+        watcher.cancel()
+
+
+async def resolve_local_media(messages: list[dict], allowed_dir: str | None) -> list[dict]:
+    """`file://` audio parts decoded here, where the --allowed-local-media-path policy lives (a 400 outside
+    it); everything else goes to the engine as sent."""
+
+    def resolve(part: dict) -> dict:
+        url = part.get("audio_url", {}).get("url") if part.get("type") == "audio_url" else part.get("audio")
+        if not (isinstance(url, str) and url.startswith("file://")):
+            return part
+        try:
+            return {"type": "audio", "audio": audio_from_url(url, allowed_dir)}
+        except (ValueError, OSError) as e:
+            raise bad_request(f"{url}: {e}") from None
+
+    def resolve_all() -> list[dict]:
+        return [{**m, "content": [resolve(p) for p in m["content"]]} if isinstance(m.get("content"), list)
+                else m for m in messages]
+
+    return await asyncio.to_thread(resolve_all)
