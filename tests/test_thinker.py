@@ -184,7 +184,7 @@ def test_image_and_video_prompt_with_deepstack_matches_transformers(preset):
         ref = hf.thinker(input_ids=ids, attention_mask=mask, pixel_values=pixels["image"],
                          image_grid_thw=grids["image"], pixel_values_videos=pixels["video"],
                          video_grid_thw=grids["video"], video_second_per_grid=sec)
-        positions = hf.thinker.model.get_rope_index(ids, grids["image"], grids["video"], mask, False, None, sec)[0]
+        positions = hf.thinker.get_rope_index(ids, grids["image"], grids["video"], mask, False, None, sec)[0]
         positions = positions[:, 0]
         image, video = (model.encode_visual(pixels[m], grids[m]) for m in ("image", "video"))
     assert not torch.equal(positions[0], positions[1])  # real 3-D positions
