@@ -1,4 +1,4 @@
-"""`omnistage` command line: make-tiny | generate | serve (bench joins as it lands)."""
+"""`omnistage` command line: make-tiny | generate | serve | bench."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
+from omnistage.bench.cli import add_bench_args
 from omnistage.server.launch import add_serve_args, serve
 
 
@@ -33,6 +34,12 @@ def _generate(args: argparse.Namespace) -> None:
               file=sys.stderr)
 
 
+def _bench(args: argparse.Namespace) -> None:
+    from omnistage.bench.cli import run_bench
+
+    sys.exit(run_bench(args))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
@@ -58,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(func=_generate)
     s = add_serve_args(sub.add_parser("serve", help="the OpenAI-compatible HTTP server (chat, speech)"))
     s.set_defaults(func=serve)
+    b = add_bench_args(sub.add_parser("bench", help="load-test a server (or transformers) on read-aloud requests"))
+    b.set_defaults(func=_bench)
     return p
 
 

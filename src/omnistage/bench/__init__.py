@@ -1,0 +1,1 @@
+"""Benchmarks: the read-aloud load generator, its metrics and report, and the transformers peer."""

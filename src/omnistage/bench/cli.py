@@ -1,0 +1,131 @@
+"""`omnistage bench`: the read-aloud sweep (prompt length x concurrency) against an OpenAI-compatible
+endpoint (`--backend omnistage`), or through transformers' generate() on the same seeded random weights
+(`--backend hf`, concurrency = batch size). Rows go into OUTPUT_DIR/results.json (added to when it
+exists), then results.md and the plots are made from it."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shlex
+import sys
+import time
+
+from omnistage.bench.metrics import summarize
+from omnistage.bench.report import add_results, markdown, run_meta, write_report
+from omnistage.bench.workload import Budget, TokenCounter, build_requests, token_counter
+
+WORKLOADS = ("read-aloud",)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--backend", choices=["omnistage", "hf"], default="omnistage",
+                   help="omnistage: any OpenAI-compatible server at --base-url; hf: transformers in this process")
+    p.add_argument("--base-url", default="http://127.0.0.1:8091")
+    p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
+    p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"))
+    p.add_argument("--workload", choices=WORKLOADS, default="read-aloud")
+    p.add_argument("--prompt-tokens", type=_ints, default=[10, 160, 320, 640])
+    p.add_argument("--concurrency", type=_ints, default=[1, 16, 32, 64], help="hf: batch sizes")
+    p.add_argument("--num-prompts", type=int, default=64, help="requests per row: max(this, concurrency)")
+    p.add_argument("--warmup", type=int, default=5, help="requests sent (all at once) before the sweep")
+    p.add_argument("--seed", type=int, default=0, help="picks the sentences; request i gets its own seed")
+    p.add_argument("--random-weights", action="store_true",
+                   help="force realistic lengths: text = the sentence's tokens, audio = round(12.5 x duration) "
+                        "frames, EOS ignored")
+    p.add_argument("--max-tokens", type=int, default=None, help="cap on the text tokens of a request")
+    p.add_argument("--max-frames", type=int, default=None, help="cap on the audio frames of a request")
+    p.add_argument("--voice", default="Ethan")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: an approximation, see docs)")
+    p.add_argument("--time-budget", type=float, default=0.0,
+                   help="seconds for the whole sweep (0: none); rows share what is left evenly")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--output-dir", default="bench-results")
+    p.add_argument("--model-dir", default=None, help="hf: model folder (config.json + tokenizer files)")
+    p.add_argument("--device", default=None, help="hf: torch device (default: cuda if available)")
+    p.add_argument("--dtype", default=None, help="hf: dtype (default: bf16 on accelerators, fp32 on CPU)")
+    p.add_argument("--weights-seed", type=int, default=0, help="hf: seed of the random weights (as the server's)")
+    return p
+
+
+def _plan(args: argparse.Namespace) -> list[tuple[int, int]]:
+    return [(p, c) for p in args.prompt_tokens for c in args.concurrency]
+
+
+async def _served_model(client) -> str | None:
+    try:
+        resp = await client.get("/v1/models")
+        return resp.json()["data"][0]["id"]
+    except Exception:  # any server: the name is optional in the request
+        return None
+
+
+async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget) -> tuple[list[dict], list]:
+    import httpx
+    from tqdm import tqdm
+
+    from omnistage.bench.client import chat_payload, run_requests
+
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
+    limits = httpx.Limits(max_connections=max(args.concurrency + [args.warmup, 1]) + 4)
+    timeout = httpx.Timeout(args.request_timeout, connect=30.0)
+    rows, skipped, plan = [], [], _plan(args)
+    async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
+        model = args.model or await _served_model(client)
+
+        def bodies(p: int, n: int, seed: int) -> list[dict]:
+            return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,
+                                 max_tokens=args.max_tokens, max_frames=args.max_frames)
+                    for r in build_requests(p, n, seed, counter)]
+
+        if args.warmup:
+            warm, _ = await run_requests(client, bodies(plan[0][0], args.warmup, args.seed + 1), args.warmup,
+                                         budget.end, budget.end)
+            print(f"warm-up: {sum(r.ok for r in warm)}/{args.warmup} ok "
+                  + "; ".join(sorted({r.error for r in warm if not r.ok})), file=sys.stderr)
+        for i, (p, c) in enumerate(plan):
+            if budget.left() <= 0:
+                skipped.append({"prompt_tokens": p, "concurrency": c})
+                continue
+            todo = bodies(p, max(args.num_prompts, c), args.seed)
+            start = time.perf_counter()
+            with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
+                results, cancelled = await run_requests(client, todo, c, budget.row_deadline(len(plan) - i),
+                                                        budget.end, on_done=bar.update)
+            rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=p, start=start,
+                                  cancelled=cancelled))
+            _print_row(rows[-1])
+    return rows, skipped
+
+
+def _print_row(row: dict) -> None:
+    def f(v: float | None, fmt: str) -> str:
+        return "-" if v is None else fmt.format(v)
+
+    print(f"{row['backend']} P={row['prompt_tokens']} c={row['concurrency']}: {row['num_requests']} ok, "
+          f"{row['failed']} failed, {f(row['request_throughput'], '{:.3f}')} req/s, "
+          f"TTFP {f(row['mean_ttfp_ms'], '{:.0f}')} ms, RTF {f(row['mean_rtf'], '{:.3f}')}", file=sys.stderr)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    counter = token_counter(args.tokenizer)
+    budget = Budget(args.time_budget)
+    if args.backend == "hf":
+        from omnistage.bench.hf_peer import run_hf
+
+        rows, skipped = run_hf(args, counter, budget, _plan(args), on_row=_print_row)
+    else:
+        rows, skipped = asyncio.run(_sweep(args, counter, budget))
+    meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), args.workload, backend=args.backend, seed=args.seed,
+                    random_weights=args.random_weights, tokenizer=counter.name, num_prompts=args.num_prompts,
+                    warmup=args.warmup, time_budget_s=args.time_budget, skipped=skipped,
+                    base_url=args.base_url if args.backend == "omnistage" else None)
+    results = add_results(args.output_dir, meta, rows)
+    write_report(args.output_dir)
+    print(markdown(results))
+    return 0 if rows and all(r["num_requests"] for r in rows) else 1

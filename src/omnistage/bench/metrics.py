@@ -1,0 +1,88 @@
+"""Per-request timings on the client, and one result row per (backend, prompt length, concurrency).
+
+Times are seconds after the request was sent. TTFT = first text delta, TTFP = first audio chunk,
+RTF = last audio chunk / audio seconds (below 1 is faster than real time), E2E = end of the stream,
+ITL = gaps between text deltas, ICG = gaps between audio chunks (both pooled over a row's requests).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from omnistage.outputs import SAMPLE_RATE
+
+PERCENTILES = (50, 90, 99)
+# metric -> (unit scale from seconds, row key stem)
+_METRICS = {"ttft": (1e3, "ttft_ms"), "ttfp": (1e3, "ttfp_ms"), "e2e": (1e3, "e2e_ms"), "rtf": (1.0, "rtf"),
+            "itl": (1e3, "itl_ms"), "icg": (1e3, "icg_ms")}
+
+
+@dataclass
+class RequestResult:
+    send: float = 0.0  # perf_counter() when the request went out
+    ok: bool = False
+    error: str = ""
+    text_times: list[float] = field(default_factory=list)
+    audio_times: list[float] = field(default_factory=list)
+    audio_samples: int = 0
+    end: float = 0.0
+    prompt_tokens: int | None = None  # as the server counted them (usage)
+    output_tokens: int | None = None  # text tokens (usage)
+
+    @property
+    def audio_s(self) -> float:
+        return self.audio_samples / SAMPLE_RATE
+
+    @property
+    def finish(self) -> float:
+        """perf_counter() at the end of the stream."""
+        return self.send + self.end
+
+    def values(self) -> dict[str, list[float]]:
+        """Each metric's values in seconds (RTF unitless); lists, since a request has many gaps."""
+        out: dict[str, list[float]] = {"e2e": [self.end], "itl": list(np.diff(self.text_times)),
+                                       "icg": list(np.diff(self.audio_times))}
+        out["ttft"] = self.text_times[:1]
+        out["ttfp"] = self.audio_times[:1]
+        out["rtf"] = [self.audio_times[-1] / self.audio_s] if self.audio_times and self.audio_samples else []
+        return out
+
+
+def _stats(values: list[float], scale: float, stem: str) -> dict[str, float | None]:
+    if not values:
+        return {f"mean_{stem}": None, **{f"p{p}_{stem}": None for p in PERCENTILES}}
+    a = np.asarray(values, dtype=np.float64) * scale
+    return {f"mean_{stem}": float(a.mean()), **{f"p{p}_{stem}": float(np.percentile(a, p)) for p in PERCENTILES}}
+
+
+def _mean(values: list[float | int | None]) -> float | None:
+    known = [v for v in values if v is not None]
+    return float(np.mean(known)) if known else None
+
+
+def summarize(results: list[RequestResult], *, backend: str, concurrency: int, prompt_tokens: int,
+              start: float, cancelled: int = 0) -> dict:
+    """One row: counts, throughput over [start, last finish], and mean/p50/p90/p99 of every metric."""
+    done = [r for r in results if r.ok]
+    duration = max((r.finish for r in done), default=start) - start
+    audio_s = sum(r.audio_s for r in done)
+    row: dict = {
+        "backend": backend, "concurrency": concurrency, "prompt_tokens": prompt_tokens,
+        "num_requests": len(done), "failed": len(results) - len(done), "cancelled": cancelled,
+        "duration_s": duration,
+        "request_throughput": len(done) / duration if duration > 0 else None,
+        "audio_throughput": audio_s / duration if duration > 0 else None,
+        "total_audio_s": audio_s,
+        "mean_audio_s": audio_s / len(done) if done else None,
+        "mean_server_prompt_tokens": _mean([r.prompt_tokens for r in done]),
+        "mean_output_tokens": _mean([r.output_tokens for r in done]),
+    }
+    per_request = [r.values() for r in done]
+    for name, (scale, stem) in _METRICS.items():
+        row.update(_stats([v for vals in per_request for v in vals[name]], scale, stem))
+    errors = sorted({r.error for r in results if not r.ok})
+    if errors:
+        row["errors"] = errors[:5]
+    return row

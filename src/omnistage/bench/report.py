@@ -1,0 +1,123 @@
+"""Results of a run: one JSON ({"meta", "rows"}) that every backend of the run adds its rows to, and the
+markdown table and PNG plots made from it."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+
+RESULTS = "results.json"
+TABLE = "results.md"
+# file -> (row key, axis label)
+PLOTS = {"throughput.png": ("request_throughput", "requests / s"), "ttfp.png": ("mean_ttfp_ms", "mean TTFP (ms)"),
+         "rtf.png": ("mean_rtf", "mean RTF (below 1: faster than real time)")}
+# markdown column -> (row key, format)
+COLUMNS = {"backend": ("backend", "{}"), "P": ("prompt_tokens", "{}"), "c": ("concurrency", "{}"),
+           "n": ("num_requests", "{}"), "req/s": ("request_throughput", "{:.3f}"),
+           "audio s/s": ("audio_throughput", "{:.2f}"), "TTFT ms": ("mean_ttft_ms", "{:.0f}"),
+           "TTFP ms": ("mean_ttfp_ms", "{:.0f}"), "TTFP p50": ("p50_ttfp_ms", "{:.0f}"),
+           "TTFP p90": ("p90_ttfp_ms", "{:.0f}"), "TTFP p99": ("p99_ttfp_ms", "{:.0f}"),
+           "RTF": ("mean_rtf", "{:.3f}"), "RTF p90": ("p90_rtf", "{:.3f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
+           "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
+
+
+def git_commit() -> str:
+    """$OMNISTAGE_COMMIT (for copies without .git), else `git rev-parse HEAD` (+ "-dirty"), else "unknown"."""
+    if os.environ.get("OMNISTAGE_COMMIT"):
+        return os.environ["OMNISTAGE_COMMIT"]
+    try:
+        here = Path(__file__).parent
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=here, capture_output=True, text=True)
+        return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_info() -> tuple[str, int]:
+    """(name of this machine's accelerator, count); the CPU's name and 0 without one."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0), torch.cuda.device_count()
+    return platform.processor() or platform.machine() or "cpu", 0
+
+
+def run_meta(command: str, workload: str, **extra: object) -> dict:
+    import torch
+    import transformers
+
+    name, gpus = device_info()
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(), "device": name, "gpus": gpus, "workload": workload, "command": command,
+            "torch": torch.__version__, "transformers": transformers.__version__, **extra}
+
+
+def add_results(out_dir: str | Path, meta: dict, rows: list[dict]) -> dict:
+    """Append `rows` to out_dir/results.json (made with `meta` when new; later runs go under meta.runs)."""
+    path = Path(out_dir) / RESULTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    results = json.loads(path.read_text()) if path.exists() else {"meta": {**meta, "runs": []}, "rows": []}
+    results["meta"]["runs"].append(meta)
+    results["rows"].extend(rows)
+    path.write_text(json.dumps(results, indent=2) + "\n")
+    return results
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key)
+    return "-" if value is None else fmt.format(value)
+
+
+def markdown(results: dict) -> str:
+    meta = results["meta"]
+    lines = [f"Run {meta['date']}, commit `{meta['commit']}`, {meta['device']} x {meta['gpus']}, "
+             f"workload {meta['workload']}.", ""]
+    lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
+    lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    for row in sorted(results["rows"], key=lambda r: (r["backend"], r["prompt_tokens"], r["concurrency"])):
+        lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
+    lines += ["", "Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
+              "is its batch size and TTFT = TTFP = E2E."]
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, out_dir: str | Path) -> list[Path]:
+    """throughput / TTFP / RTF against concurrency, one line per (backend, prompt length)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    series: dict[tuple[str, int], list[dict]] = {}
+    for row in results["rows"]:
+        if row["num_requests"]:
+            series.setdefault((row["backend"], row["prompt_tokens"]), []).append(row)
+    paths = []
+    for name, (key, label) in PLOTS.items():
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for (backend, p), rows in sorted(series.items()):
+            pts = sorted((r["concurrency"], r[key]) for r in rows if r.get(key) is not None)
+            if pts:
+                ax.plot(*zip(*pts), "o-" if backend == "omnistage" else "s--", label=f"{backend} P={p}")
+        ax.set_xscale("log", base=2)
+        ax.set(xlabel="concurrency (hf: batch size)", ylabel=label, title=f"{label} ({results['meta']['device']})")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(Path(out_dir) / name)
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
+    return paths
+
+
+def write_report(out_dir: str | Path) -> list[Path]:
+    """results.md and the plots, from out_dir/results.json."""
+    results = json.loads((Path(out_dir) / RESULTS).read_text())
+    table = Path(out_dir) / TABLE
+    table.write_text(markdown(results))
+    return [table, *plot(results, out_dir)]
