@@ -1,0 +1,137 @@
+"""The staged engine: streaming exactness, thinker/talker pacing, aborts, concurrency, seeds."""
+
+from __future__ import annotations
+
+import functools
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.entrypoints.omni import ChatResult, Omni
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two, three, four, five."]
+
+
+@functools.cache
+def omni(initial: int = 4, chunk: int = 25) -> Omni:
+    d = tiny_checkpoint("tiny")
+    deploy = load_deploy_config(default_deploy_config(d), platform="cpu",
+                                overrides={"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk}})
+    return Omni(d, deploy=deploy, device="cpu")
+
+
+def conv(i: int) -> list[dict]:
+    return [{"role": "user", "content": PROMPTS[i % len(PROMPTS)]}]
+
+
+def greedy(tokens: int, frames: int) -> dict:
+    return dict(sampling={"temperature": 0, "max_tokens": tokens},
+                talker_sampling={"temperature": 0, "max_frames": frames, "ignore_eos": True})
+
+
+@pytest.mark.parametrize("initial,chunk", [(1, 7), (2, 25), (4, 3), (4, 25)])
+def test_stream_chunks_are_sample_exact(initial: int, chunk: int) -> None:
+    o = omni(initial, chunk)
+    deltas = []
+    req = o.engine.make_request("r", conv(1), None, want_audio=True, voice="Aiden", emit=deltas.append,
+                                **greedy(8, 33))
+    o.engine.add_request(req)
+    o.engine.wait(["r"])
+    chunks = [d for d in deltas if d.audio is not None]
+    frames = [d.codes.shape[1] for d in chunks]
+    assert sum(frames) == 33 and frames[0] == initial and all(f == chunk for f in frames[1:-1])
+    assert [len(d.audio) for d in chunks] == [f * 1920 - (555 if i == 0 else 0) for i, f in enumerate(frames)]
+    codes = np.concatenate([d.codes for d in chunks], 1)
+    with torch.no_grad():
+        whole = o.engine.code2wav.streamer.model(torch.tensor(codes)[None])[0, 0].numpy()
+    streamed = np.concatenate([d.audio for d in chunks])
+    assert streamed.shape == whole.shape == (33 * 1920 - 555,)
+    assert float(np.abs(streamed - whole).max()) < 1e-5
+
+
+def test_talker_waits_for_a_slow_thinker() -> None:
+    o = omni()
+    expected = o.chat(conv(1), **greedy(12, 20))
+    thinker = o.engine.thinker
+    fast_step = thinker.step
+
+    def slow_step() -> bool:
+        time.sleep(0.03)
+        return fast_step()
+
+    thinker.step = slow_step
+    try:
+        slow = o.chat(conv(1), **greedy(12, 20))
+    finally:
+        del thinker.step
+    assert slow.token_ids == expected.token_ids
+    assert np.array_equal(slow.codes, expected.codes)
+
+
+def _all_free(o: Omni) -> None:
+    e = o.engine
+    assert e.thinker.blocks.num_used == 0 and not e.thinker.running and not e.thinker.waiting
+    assert e.talker.blocks.num_used == 0 and not e.talker.seqs
+    assert not e.code2wav.seqs and len(e.code2wav.streamer.cache.free_slots) == e.code2wav.max_batch_size
+    assert not e.requests
+
+
+def test_random_aborts_free_everything() -> None:
+    o = omni()
+    reference = o.chat(conv(2), **greedy(6, 12))
+    rng = random.Random(0)
+    for i in range(100):
+        req = o.engine.make_request(f"a{i}", conv(i), None, want_audio=i % 5 != 0, voice="Ethan", emit=lambda d: None,
+                                    **greedy(rng.randint(1, 12), rng.randint(1, 30)))
+        o.engine.add_request(req)
+        threading.Timer(rng.uniform(0, 0.3), o.engine.abort, args=(f"a{i}",)).start()
+    deadline = time.time() + 60
+    while o.engine.requests and time.time() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.5)  # every worker drains its aborts
+    _all_free(o)
+    again = o.chat(conv(2), **greedy(6, 12))
+    assert again.token_ids == reference.token_ids and np.array_equal(again.codes, reference.codes)
+    np.testing.assert_array_equal(again.audio, reference.audio)
+
+
+def test_64_mixed_requests() -> None:
+    o = omni()
+    voices = ["Ethan", "Chelsie", "Aiden"]
+    n = 64
+    audio = [i % 4 != 3 for i in range(n)]
+    results = [ChatResult() for _ in range(n)]
+    frames = [3 + i % 9 for i in range(n)]
+    for i in range(n):
+        req = o.engine.make_request(f"m{i}", conv(i), None, want_audio=audio[i], voice=voices[i % 3],
+                                    emit=results[i].add, **greedy(2 + i % 5, frames[i]))
+        o.engine.add_request(req)
+    o.engine.wait([f"m{i}" for i in range(n)])
+    for i, r in enumerate(results):
+        assert len(r.token_ids) <= 2 + i % 5 and r.finish_reason in ("stop", "length")
+        if audio[i]:
+            assert r.codes.shape == (16, frames[i]) and len(r.audio) == frames[i] * 1920 - 555
+        else:
+            assert r.audio is None
+    for i in (0, 1, 2, 5):  # the voice (and everything else) of a request equals its run alone
+        alone = o.chat(conv(i), voice=voices[i % 3], **greedy(2 + i % 5, frames[i]))
+        assert alone.token_ids == results[i].token_ids and np.array_equal(alone.codes, results[i].codes)
+
+
+def test_seed_reproducible_through_all_stages() -> None:
+    o = omni()
+    sampled = dict(sampling={"temperature": 0.8, "top_p": 0.9, "max_tokens": 8, "seed": 1234},
+                   talker_sampling={"max_frames": 10, "ignore_eos": True})
+    a = o.chat(conv(0), **sampled)
+    batch = o.chat([conv(3), conv(0), conv(1)], sampling=[{"temperature": 1.0, "max_tokens": 5}, sampled["sampling"],
+                                                           {"temperature": 0, "max_tokens": 3}],
+                   talker_sampling=sampled["talker_sampling"])
+    assert batch[1].token_ids == a.token_ids and np.array_equal(batch[1].codes, a.codes)
+    other = o.chat(conv(0), sampling={**sampled["sampling"], "seed": 99}, talker_sampling=sampled["talker_sampling"])
+    assert other.token_ids != a.token_ids or not np.array_equal(other.codes, a.codes)
