@@ -154,3 +154,26 @@ def test_image_processor_matches_vision_config(tiny_dir):
     out = ip(images=[image], return_tensors="pt")
     assert out.image_grid_thw.tolist() == [[1, 16, 16]]  # 256 px / 16 px patches
     assert tuple(out.pixel_values.shape) == (256, 3 * 2 * 16 * 16)
+
+
+def test_auto_processor_expands_audio_pads(tiny_dir):
+    """Needs torchvision (transformers' video processor), absent beside torch 2.13 CPU: GPU machine."""
+    pytest.importorskip("torchvision")
+    import numpy as np
+    from transformers import AutoProcessor
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    processor = AutoProcessor.from_pretrained(tiny_dir)
+    assert type(processor).__name__ == "Qwen3OmniMoeProcessor"
+    assert (processor.image_processor.patch_size, processor.video_processor.temporal_patch_size) == (16, 2)
+    wav = (0.3 * np.sin(2 * np.pi * 220 * np.arange(32000) / 16000)).astype(np.float32)  # 2 s at 16 kHz
+    parts = [{"type": "audio", "audio": wav}, {"type": "text", "text": "Hi"}]
+    conversation = [{"role": "user", "content": parts}]
+    text = processor.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|im_start|>user\n<|audio_start|><|audio_pad|><|audio_end|>Hi<|im_end|>\n"
+                    "<|im_start|>assistant\n")
+    out = processor(text=[text], audio=[wav], return_tensors="pt")
+    n = int(_get_feat_extract_output_lengths(out["feature_attention_mask"].sum(-1), 50)[0])
+    assert n == 26 and tuple(out["input_features"].shape) == (1, 128, 200)
+    ids = out["input_ids"][0].tolist()
+    assert ids == [151644, 872, 198, 151669] + [151675] * n + [151670, 13048, 151645, 198, 151644, 77091, 198]
