@@ -2,7 +2,8 @@
 
 The engine is a chat model, so the text goes in as a read-aloud turn: system SPEECH_SYSTEM_PROMPT, user =
 the text, modalities text + audio. The thinker is greedy unless `temperature` is given. Extensions as for
-chat: seed, max_tokens, max_audio_frames, talker {...}. `stream: true` sends the audio as it is produced:
+chat: seed, max_tokens, max_audio_frames, talker {...}; OpenAI's `instructions` (how to speak) are appended
+to the system prompt. `stream: true` (or OpenAI's `stream_format: "audio"`) sends the audio as it is produced:
 raw s16le for pcm, a WAV whose header says "unknown length" for wav (other formats stream only whole).
 """
 
@@ -11,11 +12,12 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
+from typing import Any, Literal
 
 import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import Response, StreamingResponse
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from omnistage.config import DeployConfig
 from omnistage.outputs import OutputDelta
@@ -54,9 +56,19 @@ class OmniSpeechRequest(SpeechRequest):
     seed: int | None = None
     max_audio_frames: int | None = Field(None, ge=1)
     talker: TalkerParams | None = None
+    instructions: str | None = None
+    stream_format: Literal["audio"] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _stream_format(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("stream_format") == "audio":
+            return {**data, "stream": True}
+        return data
 
     def messages(self) -> list[dict]:
-        return [{"role": "system", "content": SPEECH_SYSTEM_PROMPT}, {"role": "user", "content": self.input}]
+        system = f"{SPEECH_SYSTEM_PROMPT} {self.instructions}" if self.instructions else SPEECH_SYSTEM_PROMPT
+        return [{"role": "system", "content": system}, {"role": "user", "content": self.input}]
 
     def as_chat(self) -> ChatCompletionRequest:
         """The chat request this speech request runs as (its sampling fields resolve the same way)."""
