@@ -40,12 +40,15 @@ def _prompt(seed: int, n_audio: int = 0) -> list[int]:
 
 
 @functools.cache
-def hf_capture(preset: str, voice: str, audio: bool = False, talker_tokens: int = 40, no_eos: bool = True) -> dict:
+def hf_capture(preset: str, voice: str, audio: bool = False, talker_tokens: int = 40, no_eos: bool = True,
+               penalty: float = 1.05) -> dict:
     """Run transformers' generate(return_audio=True), greedy, and keep what its talker saw and made.
     `no_eos`: codec_eos suppressed too (what our `ignore_eos` does), so it makes talker_tokens - 1 frames."""
     hf = hf_reference(preset)
     vocab = hf.config.talker_config.text_config.vocab_size
-    kw = dict(talker_suppress_tokens=list(range(vocab - 1024, vocab))) if no_eos else {}
+    kw: dict = dict(talker_repetition_penalty=penalty)
+    if no_eos:
+        kw["talker_suppress_tokens"] = list(range(vocab - 1024, vocab))
     n_audio = 0
     if audio:
         mask = torch.ones(1, 200, dtype=torch.long)
@@ -84,7 +87,10 @@ def hf_capture(preset: str, voice: str, audio: bool = False, talker_tokens: int 
 
 @functools.cache
 def our_talker(preset: str) -> Talker:
-    hf = hf_reference(preset)
+    return load_talker(hf_reference(preset))
+
+
+def load_talker(hf) -> Talker:
     talker = Talker(hf.config.talker_config).eval()
     talker.load_state_dict(hf_stage_state(hf, "talker"), strict=True)
     c = hf.config
@@ -120,6 +126,14 @@ def test_prompt_rows_and_codes_match_transformers(preset, voice):
     assert ref.shape == (16, 39)
     codes = generate_codes(our_talker(preset), prompt, rows, GREEDY, max_frames=39)
     assert torch.equal(codes, ref)
+
+
+def test_strong_repetition_penalty_matches_transformers():
+    cap = hf_capture("tiny", "Ethan", penalty=1.6)
+    assert not torch.equal(cap["codes"], hf_capture("tiny", "Ethan")["codes"])  # the penalty matters here
+    prompt, rows = our_rows("tiny", cap, "Ethan")
+    params = TalkerSamplingParams(temperature=0.0, repetition_penalty=1.6, ignore_eos=True)
+    assert torch.equal(generate_codes(our_talker("tiny"), prompt, rows, params, max_frames=39), cap["codes"])
 
 
 def test_audio_prompt_uses_hidden_projection(preset):
@@ -180,6 +194,10 @@ def test_batched_steps_equal_single_requests():
         positions = torch.tensor(done)
     out = torch.stack(out, -1)
     assert torch.equal(out[0], caps[0]["codes"][:, :frames])
+    # the repetition penalty sees exactly each request's own codebook-0 codes
+    expect = torch.zeros_like(seen)
+    expect.scatter_(1, out[:, 0], True)
+    assert torch.equal(seen, expect)
     alone = generate_codes(talker, *rows[1], TalkerSamplingParams(seed=4), max_frames=frames)
     assert torch.equal(out[1], alone)
 
@@ -196,11 +214,23 @@ def test_sampled_generation_is_seeded_and_valid():
 
 
 def test_stops_at_eos_like_transformers():
-    cap = hf_capture("tiny", "Aiden", no_eos=False)
-    assert 0 < cap["codes"].shape[1] < 39  # transformers' talker emitted codec_eos early here
+    hf, free = hf_reference("tiny"), hf_capture("tiny", "Aiden")["codes"]
+    # make codec_eos a scaled copy of the code greedy picks (first time) at frame k >= 20: it wins there or earlier
+    k = next(t for t in range(20, 39) if free[0, t] not in free[0, :t])
+    head, eos = hf.talker.codec_head.weight, hf.config.talker_config.codec_eos_token_id
+    saved = head[eos].clone()
+    try:
+        with torch.no_grad():
+            head[eos] = head[free[0, k]] * 1.05
+        cap = hf_capture.__wrapped__("tiny", "Aiden", no_eos=False)
+        talker = load_talker(hf)
+    finally:
+        with torch.no_grad():
+            head[eos] = saved
+    assert 0 < cap["codes"].shape[1] <= k
     prompt, rows = our_rows("tiny", cap, "Aiden")
-    codes = generate_codes(our_talker("tiny"), prompt, rows, TalkerSamplingParams(temperature=0.0), max_frames=39)
+    codes = generate_codes(talker, prompt, rows, TalkerSamplingParams(temperature=0.0), max_frames=39)
     assert torch.equal(codes, cap["codes"])
     # with ignore_eos the same request runs on, identical up to where it stopped
-    longer = hf_capture("tiny", "Aiden")["codes"]
+    longer = generate_codes(talker, prompt, rows, GREEDY, max_frames=39)
     assert longer.shape[1] == 39 and torch.equal(longer[:, :codes.shape[1]], codes)
