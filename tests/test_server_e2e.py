@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -23,7 +24,7 @@ SHORT = {"max_tokens": 6, "extra_body": {"max_audio_frames": FRAMES}}
 README = Path(__file__).parents[1] / "README.md"
 
 
-def test_startup_log_and_model_list(server):
+def test_startup_log_and_model_list(server, client):
     log = server.log.read_text()
     assert "weights are RANDOM" in log
     deploy = json.loads(re.search(r"deploy config: (\{.*\})", log).group(1))
@@ -32,6 +33,8 @@ def test_startup_log_and_model_list(server):
     (model,) = httpx.get(server.url + "/v1/models").json()["data"]
     assert model["id"] == MODEL and model["random_weights"] is True
     assert model["voices"] == ["aiden", "chelsie", "ethan"]
+    assert client.models.retrieve(MODEL).id == MODEL and client.models.list().data[0].id == MODEL
+    assert httpx.get(server.url + "/v1/models/org/other").json()["error"]["code"] == "model_not_found"
     assert httpx.get(server.url + "/health").json() == {"status": "ok"}
 
 
@@ -75,6 +78,23 @@ def test_stream_equals_whole_with_same_seed(client):
     assert np.array_equal(streamed, wav_samples(base64.b64decode(whole.choices[0].message.audio.data)))
     assert len(audio) == 1 + (frames > 4)  # chunks as produced, the id on the first only
     assert audio[0]["id"].startswith("audio_") and all(a.get("id") is None for a in audio[1:])
+
+
+def test_concurrent_requests_keep_their_voices(client):
+    def run(voice: str) -> tuple[str, np.ndarray]:
+        c = client.chat.completions.create(model=MODEL, messages=USER, modalities=["text", "audio"],
+                                           audio={"voice": voice, "format": "pcm16"}, temperature=0, max_tokens=6,
+                                           extra_body={"max_audio_frames": FRAMES, "talker": {"temperature": 0}})
+        return c.choices[0].message.content, np.frombuffer(base64.b64decode(c.choices[0].message.audio.data), "<i2")
+
+    voices = ["aiden", "chelsie", "ethan"]
+    alone = [run(v) for v in voices]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(run, voices * 2))
+    assert len({pcm.tobytes() for _, pcm in alone}) == 3  # the voices sound different
+    for (text, pcm), (text2, pcm2) in zip(alone * 2, together):
+        assert text2 == text and pcm2.shape == pcm.shape
+        assert np.abs(pcm2.astype(np.int32) - pcm).max() <= 1  # batched float sums: at most 1 LSB apart
 
 
 def speech_as_chat(client, voice: str, seed: int) -> tuple[np.ndarray, int]:

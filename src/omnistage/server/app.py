@@ -71,6 +71,12 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
         body["data"][0].update(model_info or {})
         return body
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != model_name:
+            raise model_not_found(model_id)
+        return (await models())["data"][0]
+
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response | dict:
         if req.model not in (None, model_name):
