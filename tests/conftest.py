@@ -10,21 +10,19 @@ import pytest
 import torch
 
 from omnistage.models.qwen3_omni.presets import preset_config
-from omnistage.models.qwen3_omni.random_init import random_tensor
+from omnistage.models.qwen3_omni.weights import init_reference_weights
 
 torch.set_num_threads(2)
 
 
 @functools.cache
 def hf_reference(preset: str = "tiny", seed: int = 0):
-    """transformers' Qwen3-Omni model on a preset, every tensor seeded by `random_init` (fp32, CPU, eval)."""
+    """transformers' Qwen3-Omni model on a preset, every tensor seeded like make-tiny (fp32, CPU, eval)."""
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     config = Qwen3OmniMoeConfig(**preset_config(preset))
     model = Qwen3OmniMoeForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(random_tensor(name, tuple(p.shape), seed))
+    init_reference_weights(model, seed)
     return model
 
 

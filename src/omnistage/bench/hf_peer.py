@@ -23,21 +23,19 @@ WARMUP_TOKENS, WARMUP_FRAMES = 4, 8
 
 def build_hf_model(model_dir: str, device: str | torch.device, dtype: str | torch.dtype | None = None,
                    seed: int = 0) -> torch.nn.Module:
-    """transformers' model for model_dir's config.json on `device`, every parameter random_tensor(its
-    name, shape, seed): the talker's routers and experts too, which transformers leaves at zero / unset."""
+    """transformers' model for model_dir's config.json on `device` with the seeded values our dummy
+    weights have: the talker's routers and experts too, which transformers leaves at zero / unset."""
     from transformers import Qwen3OmniMoeForConditionalGeneration
 
     from omnistage.models.qwen3_omni.model import _default_dtype, load_config, resolve_dtype
-    from omnistage.models.qwen3_omni.random_init import random_tensor
+    from omnistage.models.qwen3_omni.weights import init_reference_weights
 
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     with torch.device(device), _default_dtype(dtype):
         model = Qwen3OmniMoeForConditionalGeneration(load_config(model_dir))
     model.eval().requires_grad_(False)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(random_tensor(name, tuple(p.shape), seed, p.dtype, p.device))
+    init_reference_weights(model, seed)
     return model
 
 
@@ -60,9 +58,10 @@ def generate_batch(model: torch.nn.Module, ids: list[list[int]], pad_id: int, *,
                    force: bool, voice: str = "Ethan") -> tuple[float, list[int]]:
     """One generate() call on a batch of prompts: (seconds, each row's audio samples)."""
     input_ids, mask = _left_padded(ids, pad_id, model.device)
-    kw = dict(thinker_max_new_tokens=text_tokens, thinker_do_sample=False, talker_max_new_tokens=frames)
+    # NOTE: generate() keeps the codes of talker_max_new_tokens - 1 steps, so one more step gives `frames`
+    kw = dict(thinker_max_new_tokens=text_tokens, thinker_do_sample=False, talker_max_new_tokens=frames + 1)
     if force:
-        kw.update(thinker_min_new_tokens=text_tokens, talker_min_new_tokens=frames)
+        kw.update(thinker_min_new_tokens=text_tokens, talker_min_new_tokens=frames + 1)
     _sync(model.device)
     t0 = time.perf_counter()
     _, wavs = model.generate(input_ids=input_ids, attention_mask=mask, speaker=voice, return_audio=True, **kw)

@@ -3,6 +3,7 @@ own worker thread, moves requests through them, and fails requests loudly if a s
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -77,6 +78,8 @@ class Orchestrator:
         self._error: BaseException | None = None
         for w in self.workers.values():
             w.start()
+        # NOTE: worker threads still inside torch at interpreter exit abort the process (std::terminate).
+        atexit.register(self.shutdown)
 
     @property
     def voices(self) -> list[str]:

@@ -182,8 +182,7 @@ class ThinkerStage:
                 mm = torch.cat(seq.mm_hidden) if seq.mm_hidden else None
                 prompt = TalkerPrompt(seq.prompt_ids, seq.embeds, mm)
             self.to_talker(TextChunk(req, embed, prompt))
-        if text or stop_at >= 0:
-            req.emit(OutputDelta(req.request_id, text=text, token_ids=[token]))
+        req.emit(OutputDelta(req.request_id, text=text, token_ids=[token]))
         stopped = stop_at >= 0 or token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos)
         if stopped or len(seq.output_ids) >= sp.max_tokens:
             req.finish_reason = "stop" if stopped else "length"

@@ -1,6 +1,6 @@
 """`omnistage make-tiny`: a complete HF-format Qwen3-Omni folder with seeded random weights.
 
-Every tensor is `random_tensor(<HF in-memory name>, shape, seed)` (fused experts: per-expert slices of
+Every tensor is `random_tensor(<checkpoint name, experts fused>, shape, seed)` (fused experts: per-expert slices of
 the fused tensor), so the folder loaded by transformers holds the same weights as the test fixture
 `hf_reference(preset, seed)`. Names and shapes come from transformers' model built on the meta device,
 written under the real checkpoint's names (`checkpoint_names`), fp32.
@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from omnistage.models.qwen3_omni.checkpoint_io import plan_shards, write_checkpoint
-from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_tensors
+from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_tensors, hf_to_checkpoint_name
 from omnistage.models.qwen3_omni.presets import PRESETS, preset_config
 from omnistage.models.qwen3_omni.processor_files import write_processor_files
 from omnistage.models.qwen3_omni.random_init import random_tensor
@@ -69,7 +69,7 @@ def _shard_maker(params: list[tuple[str, tuple[int, ...]]], seed: int
         out = {}
         for hf_name, shape in params:
             # NOTE: clone views: expert slices of one fused tensor share storage, which safetensors refuses
-            tensors = checkpoint_tensors(hf_name, random_tensor(hf_name, shape, seed))
+            tensors = checkpoint_tensors(hf_name, random_tensor(hf_to_checkpoint_name(hf_name), shape, seed))
             out.update((n, t if t._base is None else t.clone()) for n, t in tensors)
         return out
     return make

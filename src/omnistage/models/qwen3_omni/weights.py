@@ -16,7 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_to_hf_name, expert_slot, hf_to_checkpoint_name
+from omnistage.models.qwen3_omni.checkpoint_names import expert_slot, hf_to_checkpoint_name
 from omnistage.models.qwen3_omni.random_init import random_tensor
 
 
@@ -88,14 +88,18 @@ def _expected_keys(targets: dict[str, torch.Tensor]) -> Iterator[str]:
             yield name
 
 
-def reference_name(stage: str, local: str) -> str:
-    """Our stage-local name -> transformers' in-memory parameter name (the key `random_init` seeds by)."""
-    return checkpoint_to_hf_name(f"{stage}.{local}")
+@torch.no_grad()
+def init_dummy_weights(module: nn.Module, stage: str, seed: int = 0) -> None:
+    """Seeded random weights for every parameter, made on the module's device. Seeds are keyed by the
+    checkpoint name (fused experts keep their fused name), so on the same device they equal
+    `make-tiny`'s tensors and `init_reference_weights`' for any transformers version."""
+    for name, p in module.named_parameters():
+        p.copy_(random_tensor(f"{stage}.{name}", tuple(p.shape), seed, p.dtype, p.device))
 
 
 @torch.no_grad()
-def init_dummy_weights(module: nn.Module, stage: str, seed: int = 0) -> None:
-    """Seeded random weights for every parameter, made on the module's device. On the CPU they equal
-    the tensors `make-tiny` writes for the same architecture and seed."""
-    for name, p in module.named_parameters():
-        p.copy_(random_tensor(reference_name(stage, name), tuple(p.shape), seed, p.dtype, p.device))
+def init_reference_weights(model: nn.Module, seed: int = 0) -> None:
+    """The same seeded values for transformers' `Qwen3OmniMoeForConditionalGeneration` (whatever its
+    in-memory names), routers and experts included."""
+    for name, p in model.named_parameters():
+        p.copy_(random_tensor(hf_to_checkpoint_name(name), tuple(p.shape), seed, p.dtype, p.device))
