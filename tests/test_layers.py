@@ -208,3 +208,20 @@ def test_decoder_variants_match_transformers(preset, stage):
                 h, captured = model(x, pos, capture_layer=layer)
             assert rel(h, ref.last_hidden_state[0]) < 1e-5
             assert rel(captured, ref.hidden_states[layer][0]) < 1e-5
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (8, 1), (2, 2)])
+def test_batched_decode_attention_matches_reference(heads, kv_heads):
+    from omnistage.layers.attention import paged_attention_reference, paged_decode_attention
+
+    g = torch.Generator().manual_seed(heads + 7 * kv_heads)
+    d, bs, num_blocks = 16, 4, 20
+    k_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+    v_cache = torch.randn(num_blocks, bs, kv_heads, d, generator=g)
+    lens = [1, 4, 5, 13, 9]  # one block, exactly full, boundary + 1, several blocks
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = [perm[4 * i:4 * i + 4] for i in range(len(lens))]
+    ctx = build_context([n - 1 for n in lens], [1] * len(lens), tables, bs)
+    q = torch.randn(len(lens), heads, d, generator=g)
+    fast = paged_decode_attention(q, k_cache, v_cache, ctx, d**-0.5)
+    assert rel(fast, paged_attention_reference(q, k_cache, v_cache, ctx, d**-0.5)) < 1e-6

@@ -47,10 +47,26 @@ def paged_attention_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     return out
 
 
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
+                           scale: float) -> torch.Tensor:
+    """One new token per sequence, all sequences in one SDPA: each gathers its blocks up to the
+    batch's longest context, the rest masked. No host sync; fixed shapes for a given `max_seqlen_k`."""
+    width = -(-ctx.max_seqlen_k // k_cache.shape[1])
+    tables = ctx.block_tables[:, :width].long()
+    k = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [B, KV, L, D]
+    v = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keep = torch.arange(k.shape[2], device=q.device)[None, :] < ctx.context_lens[:, None]
+    out = F.scaled_dot_product_attention(q[:, :, None], k, v, attn_mask=keep[:, None, None], scale=scale,
+                                         enable_gqa=q.shape[1] != k.shape[1])
+    return out[:, :, 0]
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
                     scale: float) -> torch.Tensor:
-    """Backend choice. NOTE: the CUDA fast path (paged decode kernel whose cost follows the real
-    context length, e.g. flash-attn / flashinfer / Triton) plugs in here with the same arguments."""
+    """Backend choice: batched decode for decode steps, the per-sequence reference for prefill.
+    NOTE: a CUDA kernel whose decode cost follows each sequence's real length plugs in here."""
+    if not ctx.is_prefill:
+        return paged_decode_attention(q, k_cache, v_cache, ctx, scale)
     return paged_attention_reference(q, k_cache, v_cache, ctx, scale)
 
 
