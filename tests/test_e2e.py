@@ -88,3 +88,68 @@ def test_text_only_request_skips_audio() -> None:
     out = omni("tiny").chat(MESSAGES[1], modalities=["text"], sampling={"temperature": 0, "max_tokens": 6})
     assert out.audio is None and out.codes is None
     assert len(out.token_ids) <= 6 and out.usage.audio_frames == 0
+
+
+def _random_shape_overrides(seed: int) -> dict:
+    """A seeded architecture not among the presets (other layer, head, expert and width counts)."""
+    rng = np.random.default_rng(seed)
+    hd = int(rng.choice([8, 16]))
+    kv = int(rng.choice([1, 2]))
+    heads = kv * int(rng.integers(1, 4))
+    h = 8 * int(rng.integers(5, 9))
+    th = 8 * int(rng.integers(3, 6))
+    half = hd // 2
+    mrope = [half - 2 * (half * 5 // 16), half * 5 // 16, half * 5 // 16]
+    experts = int(rng.integers(3, 7))
+    return {
+        "thinker_config": {"text_config": {
+            "hidden_size": h, "num_hidden_layers": int(rng.integers(2, 4)), "num_attention_heads": heads,
+            "num_key_value_heads": kv, "head_dim": hd, "num_experts": experts,
+            "num_experts_per_tok": int(rng.integers(1, experts)), "moe_intermediate_size": 8 * int(rng.integers(2, 5)),
+            "rope_parameters": {"mrope_section": mrope}},
+            "audio_config": {"output_dim": h}, "vision_config": {"out_hidden_size": h}},
+        "talker_config": {"thinker_hidden_size": h, "accept_hidden_layer": 1, "text_config": {
+            "hidden_size": th, "num_hidden_layers": int(rng.integers(1, 3)), "num_attention_heads": 2,
+            "num_key_value_heads": 1, "head_dim": hd, "num_experts": 4, "num_experts_per_tok": 2,
+            "moe_intermediate_size": 16, "shared_expert_intermediate_size": 24, "intermediate_size": 2 * h,
+            "rope_parameters": {"mrope_section": mrope}},
+            "code_predictor_config": {"hidden_size": th, "num_hidden_layers": 1, "num_attention_heads": 2,
+                                      "num_key_value_heads": 2, "head_dim": hd, "intermediate_size": 40}},
+        "code2wav_config": {"hidden_size": 24, "num_hidden_layers": 1, "num_attention_heads": 3,
+                            "num_key_value_heads": 3, "intermediate_size": 40, "decoder_dim": 32},
+    }
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_parity_on_unseen_shapes(tmp_path, seed: int) -> None:
+    from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
+
+    from omnistage.models.qwen3_omni.make_tiny import make_tiny
+    from omnistage.models.qwen3_omni.weights import init_reference_weights
+
+    d = make_tiny(tmp_path / "ckpt", seed=seed, overrides=_random_shape_overrides(seed))
+    hf = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig.from_pretrained(d)).eval()
+    init_reference_weights(hf, seed)
+    o = Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu"), device="cpu", seed=seed)
+    try:
+        ids = o.engine.processor(MESSAGES[1]).input_ids
+        captured = {}
+        orig = hf.code2wav.chunked_decode
+
+        def spy(codes, **kw):
+            captured["codes"] = codes.clone()
+            return orig(codes, **kw)
+
+        hf.code2wav.chunked_decode = spy
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            seqs, wav = hf.generate(input_ids=x, attention_mask=torch.ones_like(x), speaker="Aiden", return_audio=True,
+                                    thinker_max_new_tokens=8, thinker_do_sample=False, talker_max_new_tokens=21,
+                                    talker_do_sample=False)
+        out = o.chat(prompt_token_ids=ids, voice="Aiden", sampling={"temperature": 0, "max_tokens": 8},
+                     talker_sampling={"temperature": 0, "max_frames": 20})
+    finally:
+        o.engine.shutdown()
+    assert out.token_ids == seqs[0, len(ids):].tolist()
+    assert np.array_equal(out.codes, captured["codes"][0].numpy())
+    assert float(np.abs(out.audio - wav.reshape(-1).numpy()).max()) < 1e-4
