@@ -35,8 +35,9 @@ class Server:
     def __init__(self, log: Path, *args: str) -> None:
         self.port, self.log = free_port(), log
         self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--host", "127.0.0.1", "--port", str(self.port),
-               "--device", "cpu", "--deploy-config", str(DEPLOY_DIR / "qwen3_omni_moe.yaml"), *args]
+        cmd = [sys.executable, "-m", "omnistage.cli", "serve", "--host", "127.0.0.1",
+               "--port", str(self.port), "--device", "cpu",
+               "--deploy-config", str(DEPLOY_DIR / "qwen3_omni_moe.yaml"), *args]
         self.proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, timeout: float = 120) -> None:

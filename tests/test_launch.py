@@ -19,8 +19,8 @@ def test_defaults_and_tiny(tiny_dir):
 
 def test_hub_id_offline_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    with pytest.raises(LaunchError, match="'acme/no-such-model' is not a local directory and the Hugging Face Hub"):
-        resolve_model("acme/no-such-model")
+    with pytest.raises(LaunchError, match="'acme/no-such' is not a local directory and the Hugging Face Hub"):
+        resolve_model("acme/no-such")
 
 
 @pytest.mark.parametrize("model", ["./missing", "/no/such/dir", "a/b/c"])

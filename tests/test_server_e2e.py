@@ -67,8 +67,8 @@ def stream_chat(client, **kw) -> tuple[str, bytes, list[dict], object]:
 
 def test_stream_equals_whole_with_same_seed(client):
     kw = dict(modalities=["text", "audio"], temperature=0.8, seed=11, **SHORT)
-    whole = client.chat.completions.create(model=MODEL, messages=USER, audio={"voice": "aiden", "format": "wav"},
-                                           **kw)
+    whole = client.chat.completions.create(model=MODEL, messages=USER,
+                                           audio={"voice": "aiden", "format": "wav"}, **kw)
     text, pcm, audio, usage = stream_chat(client, audio={"voice": "aiden", "format": "pcm16"}, **kw)
     frames = usage.completion_tokens_details.audio_tokens
     assert text == whole.choices[0].message.content
@@ -83,9 +83,11 @@ def test_stream_equals_whole_with_same_seed(client):
 def test_concurrent_requests_keep_their_voices(client):
     def run(voice: str) -> tuple[str, np.ndarray]:
         c = client.chat.completions.create(model=MODEL, messages=USER, modalities=["text", "audio"],
-                                           audio={"voice": voice, "format": "pcm16"}, temperature=0, max_tokens=6,
-                                           extra_body={"max_audio_frames": FRAMES, "talker": {"temperature": 0}})
-        return c.choices[0].message.content, np.frombuffer(base64.b64decode(c.choices[0].message.audio.data), "<i2")
+                                           audio={"voice": voice, "format": "pcm16"}, temperature=0,
+                                           max_tokens=6, extra_body={"max_audio_frames": FRAMES,
+                                                                     "talker": {"temperature": 0}})
+        m = c.choices[0].message
+        return m.content, np.frombuffer(base64.b64decode(m.audio.data), "<i2")
 
     voices = ["aiden", "chelsie", "ethan"]
     alone = [run(v) for v in voices]
@@ -99,7 +101,8 @@ def test_concurrent_requests_keep_their_voices(client):
 
 def speech_as_chat(client, voice: str, seed: int) -> tuple[np.ndarray, int]:
     """What /v1/audio/speech documents it runs: the read-aloud turn through chat, greedy thinker."""
-    messages = [{"role": "system", "content": SPEECH_SYSTEM_PROMPT}, {"role": "user", "content": "Hello there."}]
+    messages = [{"role": "system", "content": SPEECH_SYSTEM_PROMPT},
+                {"role": "user", "content": "Hello there."}]
     c = client.chat.completions.create(model=MODEL, messages=messages, modalities=["text", "audio"],
                                        audio={"voice": voice, "format": "pcm16"}, temperature=0, seed=seed,
                                        **SHORT)
@@ -139,7 +142,8 @@ def test_local_media_under_allowed_path(client, servers):
 def test_readme_quickstart_runs_as_written(server, tmp_path):
     section = README.read_text().split("## Serving", 1)[1].split("\n## ", 1)[0]
     blocks = re.findall(r"```(bash|python)\n(.*?)```", section, re.S)
-    runnable = [(lang, code.replace("8091", str(server.port))) for lang, code in blocks if "localhost:8091" in code]
+    runnable = [(lang, code.replace("8091", str(server.port))) for lang, code in blocks
+                if "localhost:8091" in code]
     assert {lang for lang, _ in runnable} == {"bash", "python"}
     if shutil.which("curl") is None:
         runnable = [(lang, code) for lang, code in runnable if lang == "python"]

@@ -68,7 +68,10 @@ BAD_SPEECH = [
 ]
 
 
-@pytest.mark.parametrize("body, status, param", BAD_CHAT + [(dict(b, speech=1), s, p) for b, s, p in BAD_SPEECH])
+BAD = BAD_CHAT + [(dict(b, speech=1), s, p) for b, s, p in BAD_SPEECH]
+
+
+@pytest.mark.parametrize("body, status, param", BAD)
 def test_invalid_requests(server, body, status, param):
     body = dict(body)
     if body.pop("speech", None):
@@ -96,7 +99,8 @@ def test_api_key(servers):
     wrong = {"Authorization": "Bearer nope"}
     assert httpx.get(keyed.url + "/v1/models", headers=wrong).json()["error"]["code"] == "invalid_api_key"
     client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
-    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2).usage.completion_tokens == 2
+    reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
+    assert reply.usage.completion_tokens == 2
     assert httpx.get(keyed.url + "/health").status_code == 200
 
 
@@ -125,4 +129,5 @@ def test_metrics_and_still_healthy(server, client):
         assert f"# TYPE omnistage_{name} histogram" in text and f"omnistage_{name}_count" in text
     assert re.search(r'omnistage_requests_total\{endpoint="/v1/chat/completions",status="400"\} (\d+)', text)
     assert 'endpoint="/v1/chat/completions",status="499"' in text
-    assert client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3).usage.completion_tokens == 3
+    reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
+    assert reply.usage.completion_tokens == 3

@@ -91,7 +91,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
     logger.info("deploy config: %s", deploy.describe())
     device = args.device or str(current_platform().device())
-    engine = AsyncOmni(source.path, deploy=deploy, device=device, dtype=args.dtype, load_format=args.load_format)
+    engine = AsyncOmni(source.path, deploy=deploy, device=device, dtype=args.dtype,
+                       load_format=args.load_format)
     voices = engine.engine.voices
     logger.info("voices: %s", ", ".join(voices))
     info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
@@ -126,7 +127,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
     p.add_argument("--device", default=None, help="torch device (default: the platform's first)")
-    p.add_argument("--dtype", default=None, help="bfloat16 | float16 | float32 (default: the deploy config's)")
+    p.add_argument("--dtype", default=None,
+                   help="bfloat16 | float16 | float32 (default: the deploy config's)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
     p.add_argument("--allowed-local-media-path", default=None,
                    help="folder that file:// media in requests may come from (default: none)")

@@ -24,8 +24,9 @@ T = TypeVar("T")
 
 
 class EngineClient(Protocol):
-    """What the server needs from the engine (AsyncOmni). `generate` raises ValueError (omnistage.media.MediaError
-    is one) before its first item for a request the engine refuses: bad media, unknown voice, bad sampling."""
+    """What the server needs from the engine (AsyncOmni). `generate` raises ValueError (MediaError is
+    one) before its first item for a request the engine refuses: bad media, unknown voice, bad
+    sampling."""
 
     def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                  talker_sampling: TalkerSamplingParams | None, voice: str | None,
