@@ -36,6 +36,7 @@ from omnistage.server.serving import (
     EngineClient,
     RequestClock,
     abort_unfinished,
+    check_finished,
     collect,
     resolve_local_media,
     start_request,
@@ -127,6 +128,7 @@ async def _stream(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncI
             if encoder is not None and last.audio is not None and last.audio.size:
                 yield sse(head.chunk(audio_delta(encoder.encode(last.audio), audio_id)))
                 audio_id = None
+        check_finished(last)
         if encoder is not None:
             yield sse(head.audio_done_chunk())
         yield sse(head.chunk({}, last.finish_reason or "stop"))

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnistage.config import ConfigError, DeployConfig, default_deploy_config, load_deploy_config
-from omnistage.platform import current_platform, detect_platform
+from omnistage.platform import detect_platform
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -90,8 +90,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
     logger.info("deploy config: %s", deploy.describe())
-    device = args.device or str(current_platform().device())
-    engine = AsyncOmni(source.path, deploy=deploy, device=device, dtype=args.dtype,
+    engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
                        load_format=args.load_format)
     voices = engine.engine.voices
     logger.info("voices: %s", ", ".join(voices))
@@ -126,7 +125,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='JSON keyed by stage, e.g. \'{"talker": {"max_batch_size": 16}}\'')
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
-    p.add_argument("--device", default=None, help="torch device (default: the platform's first)")
+    p.add_argument("--device", default=None,
+                   help="one torch device for every stage (default: each stage's deploy `devices`)")
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")

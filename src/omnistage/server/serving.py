@@ -35,6 +35,15 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
 
+class EngineFailed(RuntimeError):
+    """A stage failed while the request was in flight: its stream finished with finish_reason "error"."""
+
+
+def check_finished(last: OutputDelta) -> None:
+    if last.finish_reason == "error":
+        raise EngineFailed(f"request {last.request_id}: the engine failed while it was in flight")
+
+
 class RequestClock:
     """Per-request times (seconds since arrival) for the metrics."""
 
@@ -95,6 +104,7 @@ async def collect(deltas: AsyncIterator[OutputDelta], engine: EngineClient, requ
                 audio.append(last.audio)
     finally:
         await abort_unfinished(engine, last)
+    check_finished(last)
     return "".join(text), np.concatenate(audio) if audio else np.zeros(0, np.float32), last
 
 

@@ -37,6 +37,7 @@ from omnistage.server.serving import (
     EngineClient,
     RequestClock,
     abort_unfinished,
+    check_finished,
     collect,
     start_request,
     until_disconnect,
@@ -110,6 +111,7 @@ async def _stream_audio(deltas: AsyncIterator[OutputDelta], encoder: AudioStream
             clock.saw(last)
             if last.audio is not None and last.audio.size:
                 yield encoder.encode(last.audio)
+        check_finished(last)
         tail = encoder.encode(np.zeros(0, np.float32))  # a wav header still owed when no audio came
         if tail:
             yield tail
