@@ -1,0 +1,210 @@
+"""`omnistage bench`: metric arithmetic against a fake SSE server with known timings, the workload's prompt
+lengths and forced output lengths, budgets, and the whole tool against the real tiny server and the peer."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from omnistage.bench.cli import add_bench_args, run_bench
+from omnistage.bench.client import chat_payload, run_requests, send_request
+from omnistage.bench.metrics import RequestResult, summarize
+from omnistage.bench.report import RESULTS, TABLE
+from omnistage.bench.workload import SYSTEM_PROMPT, build_requests, load_sentences, token_counter
+from omnistage.server.audio_format import wav_stream_header
+
+pytest_plugins = ["serve_fixtures"]
+SLACK = 0.02  # seconds from the fake server's yield to the client's clock (same event loop)
+# The fake server's script: (seconds after the request, delta); audio chunks of 0.5 s and 1.0 s.
+SCRIPT = [(0.05, {"content": "Hello"}), (0.10, {"audio": {"id": "a1", "data": 12000}}),
+          (0.15, {"content": " world"}), (0.30, {"audio": {"data": 24000}})]
+AUDIO_S, LAST_AUDIO = 1.5, 0.30
+
+
+def _chunk(delta: dict, finish: str | None = None) -> bytes:
+    event = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
+                                                                       "finish_reason": finish}]}
+    return f"data: {json.dumps(event)}\n\n".encode()
+
+
+class FakeServer:
+    """Streams SCRIPT at its times (never early; a loaded machine may be late) for every request, noting
+    when each delta and the end went out (`emitted`); counts requests in flight; keeps the bodies."""
+
+    def __init__(self, wav: bool = False) -> None:
+        self.wav, self.bodies, self.emitted, self.in_flight, self.most = wav, [], [], 0, 0
+
+    async def _events(self):
+        self.in_flight += 1
+        self.most = max(self.most, self.in_flight)
+        start, emitted = time.perf_counter(), []
+        self.emitted.append(emitted)
+        yield _chunk({"role": "assistant", "content": ""})
+        for i, (at, delta) in enumerate(SCRIPT):
+            await asyncio.sleep(max(0.0, at - (time.perf_counter() - start)))
+            if "audio" in delta:
+                pcm = np.arange(delta["audio"]["data"], dtype="<i2").tobytes()
+                pcm = wav_stream_header() + pcm if self.wav and i == 1 else pcm
+                delta = {"audio": {**delta["audio"], "data": base64.b64encode(pcm).decode()}}
+            emitted.append(time.perf_counter())
+            yield _chunk(delta)
+        yield _chunk({}, "stop")
+        usage = {"prompt_tokens": 173, "completion_tokens": 21,
+                 "completion_tokens_details": {"text_tokens": 2, "audio_tokens": 19}}
+        self.in_flight -= 1  # NOTE: before the last chunk: the client closes the stream at [DONE]
+        emitted.append(time.perf_counter())
+        yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\ndata: [DONE]\n\n".encode()
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.bodies.append(json.loads(request.content))
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=self._events())
+
+
+def _client(fake: FakeServer) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url="http://fake", transport=httpx.MockTransport(fake))
+
+
+def _near(value: float, expected: float) -> bool:
+    return expected - 1e-3 <= value <= expected + SLACK
+
+
+@pytest.mark.parametrize("wav", [False, True])
+def test_request_metrics_from_known_timings(wav):
+    fake = FakeServer(wav)
+
+    async def go() -> RequestResult:
+        async with _client(fake) as client:
+            return await send_request(client, {"stream": True})
+
+    r = asyncio.run(go())
+    assert r.ok, r.error
+    text1, audio1, text2, audio2, end = (t - r.send for t in fake.emitted[0])
+    assert [text1, audio1, text2, audio2] >= [at for at, _ in SCRIPT]
+    v = r.values()
+    assert r.audio_samples == 36000 and r.audio_s == AUDIO_S  # a wav stream's 44-byte header is not audio
+    assert _near(v["ttft"][0], text1) and _near(v["ttfp"][0], audio1)  # the empty role delta is not text
+    assert _near(v["rtf"][0] * AUDIO_S, audio2) and _near(v["e2e"][0], end)
+    assert _near(v["icg"][0], audio2 - audio1) and _near(v["itl"][0], text2 - text1)
+    assert len(v["icg"]) == len(v["itl"]) == 1 and (r.prompt_tokens, r.output_tokens) == (173, 2)
+
+
+def test_row_throughput_and_concurrency_from_known_timings():
+    fake = FakeServer()
+
+    async def go() -> tuple[list[RequestResult], int, float]:
+        async with _client(fake) as client:
+            start = time.perf_counter()
+            results, cancelled = await run_requests(client, [{"i": i} for i in range(4)], 2, start + 60, start + 60)
+            return results, cancelled, start
+
+    results, cancelled, start = asyncio.run(go())
+    row = summarize(results, backend="omnistage", concurrency=2, prompt_tokens=160, start=start)
+    assert fake.most == 2 and cancelled == 0 and row["num_requests"] == 4 and row["failed"] == 0
+    last_end = max(e[-1] for e in fake.emitted) - start
+    assert _near(row["duration_s"], last_end) and last_end >= 2 * SCRIPT[-1][0]  # two waves of two
+    assert row["request_throughput"] == pytest.approx(4 / row["duration_s"])
+    assert row["audio_throughput"] == pytest.approx(4 * AUDIO_S / row["duration_s"])
+    first_audio = [e[1] - r.send for e, r in zip(sorted(fake.emitted), sorted(results, key=lambda r: r.send))]
+    assert _near(row["mean_ttfp_ms"] / 1e3, float(np.mean(first_audio)))
+    assert row["mean_server_prompt_tokens"] == 173 and row["total_audio_s"] == 4 * AUDIO_S
+
+
+def test_summarize_arithmetic():
+    def req(send: float, ttfp: float, ok: bool = True) -> RequestResult:
+        return RequestResult(send=send, ok=ok, text_times=[ttfp / 2], audio_times=[ttfp, 2 * ttfp],
+                             audio_samples=48000, end=3 * ttfp)
+
+    results = [req(10.0, 0.1), req(10.0, 0.2), req(10.5, 0.3), req(11.0, 0.4), req(10.0, 9.0, ok=False)]
+    row = summarize(results, backend="hf", concurrency=4, prompt_tokens=10, start=10.0, cancelled=1)
+    assert (row["num_requests"], row["failed"], row["cancelled"]) == (4, 1, 1)
+    assert row["duration_s"] == pytest.approx(2.2)  # last finish: 11.0 + 3 * 0.4
+    assert row["request_throughput"] == pytest.approx(4 / 2.2)
+    assert row["audio_throughput"] == pytest.approx(8 / 2.2)
+    assert row["mean_ttfp_ms"] == pytest.approx(250) and row["p50_ttfp_ms"] == pytest.approx(250)
+    assert row["p90_ttfp_ms"] == pytest.approx(370) and row["p99_ttfp_ms"] == pytest.approx(397)
+    assert row["mean_ttft_ms"] == pytest.approx(125) and row["mean_e2e_ms"] == pytest.approx(750)
+    assert row["mean_rtf"] == pytest.approx(0.25)  # last chunk at 2 x TTFP, 2 s of audio
+    assert row["mean_icg_ms"] == pytest.approx(250) and row["mean_itl_ms"] is None
+
+
+def test_budget_stops_sending_and_cancels_what_runs_past_it():
+    fake = FakeServer()
+
+    async def go(stop: float, give_up: float) -> tuple[list[RequestResult], int]:
+        async with _client(fake) as client:
+            now = time.perf_counter()
+            return await run_requests(client, [{}] * 4, 2, now + stop, now + give_up)
+
+    assert asyncio.run(go(-1, 5)) == ([], 0) and fake.bodies == []
+    results, cancelled = asyncio.run(go(0.05, 0.15))  # two sent at once, both cut off mid-stream
+    assert results == [] and cancelled == 2 and len(fake.bodies) == 2
+
+
+@pytest.mark.parametrize("target", [10, 160, 640])
+def test_workload_hits_the_prompt_length(target):
+    counter = token_counter()
+    reqs = build_requests(target, 12, 7, counter)
+    for r in reqs:
+        text = "".join(m["content"] for m in r.messages)
+        assert r.prompt_tokens == target == sum(counter.count(m["content"]) for m in r.messages), text
+        assert r.messages[-1]["content"].endswith(counter.truncate(r.sentence.text, target))
+        assert (r.messages[0]["content"] == SYSTEM_PROMPT) == (target >= 160)
+        assert r.text_tokens == counter.count(r.sentence.text)
+        assert r.audio_frames == round(12.5 * r.sentence.duration_s)
+    assert [r.sentence for r in reqs] == [r.sentence for r in build_requests(320, 12, 7, counter)]
+    assert len({r.sentence for r in reqs}) == 12 and len(load_sentences()) == 1127
+
+
+def test_payload_forces_lengths_only_with_random_weights():
+    req = build_requests(160, 1, 0, token_counter())[0]
+    forced = chat_payload(req, model="m", random_weights=True)
+    assert forced["max_tokens"] == req.text_tokens and forced["ignore_eos"] is True
+    assert forced["talker"] == {"max_frames": req.audio_frames, "ignore_eos": True}
+    assert forced["stream"] and forced["stream_options"] == {"include_usage": True}
+    assert forced["audio"] == {"voice": "Ethan", "format": "pcm16"} and forced["model"] == "m"
+    capped = chat_payload(req, model=None, random_weights=True, max_tokens=3, max_frames=5)
+    assert capped["max_tokens"] == 3 and capped["talker"]["max_frames"] == 5 and "model" not in capped
+    free = chat_payload(req, model=None, random_weights=False)
+    assert not {"max_tokens", "ignore_eos", "talker", "max_audio_frames"} & set(free)
+
+
+def _bench(*argv: str) -> int:
+    return run_bench(add_bench_args(argparse.ArgumentParser()).parse_args(list(argv)))
+
+
+def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir, tmp_path):
+    frames, tokens = 6, 4
+    common = ["--random-weights", "--max-tokens", str(tokens), "--max-frames", str(frames), "--num-prompts", "2",
+              "--tokenizer", str(tiny_dir), "--output-dir", str(tmp_path), "--time-budget", "120"]
+    assert _bench("--base-url", server.url, "--prompt-tokens", "10,160", "--concurrency", "1,2", "--warmup", "1",
+                  *common) == 0
+    assert _bench("--backend", "hf", "--model-dir", str(tiny_dir), "--device", "cpu", "--prompt-tokens", "10",
+                  "--concurrency", "1,2", "--warmup", "0", *common) == 0
+    results = json.loads((tmp_path / RESULTS).read_text())
+    meta, rows = results["meta"], results["rows"]
+    assert {"date", "commit", "device", "gpus", "workload", "command"} <= set(meta) and len(meta["runs"]) == 2
+    assert [(r["backend"], r["prompt_tokens"], r["concurrency"]) for r in rows] == [
+        ("omnistage", 10, 1), ("omnistage", 10, 2), ("omnistage", 160, 1), ("omnistage", 160, 2), ("hf", 10, 1),
+        ("hf", 10, 2)]
+    audio_s = (frames * 1920 - 555) / 24000  # code2wav: 1920 samples a frame, 555 trimmed once
+    for r in rows:
+        assert (r["num_requests"], r["failed"]) == (2, 0), r
+        assert r["mean_audio_s"] == pytest.approx(audio_s) and r["mean_output_tokens"] == tokens
+        assert r["prompt_tokens"] < r["mean_server_prompt_tokens"] <= r["prompt_tokens"] + 14
+        assert 0 < r["mean_ttft_ms"] <= r["mean_ttfp_ms"] <= r["mean_e2e_ms"]
+        assert r["mean_rtf"] == pytest.approx(r["mean_e2e_ms"] / 1e3 / audio_s, rel=0.5)
+        assert r["request_throughput"] > 0
+    assert rows[4]["mean_ttft_ms"] == rows[4]["mean_ttfp_ms"] == rows[4]["mean_e2e_ms"]
+    assert sum(bool(r.get("best_batch")) for r in rows) == 1
+    table = (tmp_path / TABLE).read_text()
+    assert table.count("\n| omnistage |") == 4 and table.count("\n| hf |") == 2
+    for name in ("throughput.png", "ttfp.png", "rtf.png"):
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
