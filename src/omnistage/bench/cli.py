@@ -57,26 +57,18 @@ def _plan(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(p, c) for p in args.prompt_tokens for c in args.concurrency]
 
 
-async def _served_model(client) -> str | None:
-    try:
-        resp = await client.get("/v1/models")
-        return resp.json()["data"][0]["id"]
-    except Exception:  # any server: the name is optional in the request
-        return None
-
-
 async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget) -> tuple[list[dict], list]:
     import httpx
     from tqdm import tqdm
 
-    from omnistage.bench.client import chat_payload, run_requests
+    from omnistage.bench.client import chat_payload, run_requests, served_model
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     limits = httpx.Limits(max_connections=max(args.concurrency + [args.warmup, 1]) + 4)
     timeout = httpx.Timeout(args.request_timeout, connect=30.0)
     rows, skipped, plan = [], [], _plan(args)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
-        model = args.model or await _served_model(client)
+        model = args.model or await served_model(client)
 
         def bodies(p: int, n: int, seed: int) -> list[dict]:
             return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,

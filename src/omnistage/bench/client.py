@@ -62,6 +62,15 @@ def _take(event: dict, res: RequestResult, now: float) -> None:
             res.audio_times.append(now)
 
 
+async def served_model(client: httpx.AsyncClient) -> str | None:
+    """The first model the server lists, or None."""
+    try:
+        resp = await client.get("/v1/models")
+        return resp.json()["data"][0]["id"]
+    except (httpx.HTTPError, ValueError, LookupError):  # the name is optional in the request
+        return None
+
+
 async def send_request(client: httpx.AsyncClient, body: dict, headers: dict[str, str] | None = None
                        ) -> RequestResult:
     """POST one streaming request and time its chunks; failures come back as `ok=False` with the error."""

@@ -59,7 +59,7 @@ def generate_batch(model: torch.nn.Module, ids: list[list[int]], pad_id: int, *,
     """One generate() call on a batch of prompts: (seconds, each row's audio samples)."""
     input_ids, mask = _left_padded(ids, pad_id, model.device)
     # NOTE: generate() keeps the codes of talker_max_new_tokens - 1 steps, so one more step gives `frames`
-    kw = dict(thinker_max_new_tokens=text_tokens, thinker_do_sample=False, talker_max_new_tokens=frames + 1)
+    kw = {"thinker_max_new_tokens": text_tokens, "thinker_do_sample": False, "talker_max_new_tokens": frames + 1}
     if force:
         kw.update(thinker_min_new_tokens=text_tokens, talker_min_new_tokens=frames + 1)
     _sync(model.device)
@@ -86,7 +86,7 @@ def _run_row(model: torch.nn.Module, prompts: list[list[int]], reqs: list[BenchR
         try:
             last, samples = generate_batch(model, prompts[k:k + batch], pad_id, text_tokens=text, frames=frames,
                                            force=args.random_weights, voice=args.voice)
-        except Exception as e:  # NOTE: any failure of the peer (out of memory, a batch it rejects) ends the row
+        except (RuntimeError, ValueError, TypeError, IndexError) as e:  # out of memory, a batch it rejects, ...
             results += [RequestResult(send=send, error=f"{type(e).__name__}: {e}"[:300])] * len(lengths)
             break
         results += [RequestResult(send=send, ok=True, text_times=[last], audio_times=[last], audio_samples=n,

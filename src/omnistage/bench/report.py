@@ -32,7 +32,8 @@ def git_commit() -> str:
     try:
         here = Path(__file__).parent
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True)
-        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=here, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "-uno"], cwd=here, capture_output=True, text=True,
+                               check=False)
         return head.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
@@ -55,7 +56,7 @@ def run_meta(command: str, workload: str, **extra: object) -> dict:
     import transformers
 
     name, gpus = device_info()
-    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "commit": git_commit(), "device": name, "gpus": gpus, "workload": workload, "command": command,
             "torch": torch.__version__, "transformers": transformers.__version__, **extra}
 
@@ -78,14 +79,14 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 def markdown(results: dict) -> str:
     meta = results["meta"]
-    lines = [f"Run {meta['date']}, commit `{meta['commit']}`, {meta['device']} x {meta['gpus']}, "
-             f"workload {meta['workload']}.", ""]
+    lines = [(f"Run {meta['date']}, commit `{meta['commit']}`, {meta['device']} x {meta['gpus']}, "
+              f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for row in sorted(results["rows"], key=lambda r: (r["backend"], r["prompt_tokens"], r["concurrency"])):
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
-    lines += ["", "Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
-              "is its batch size and TTFT = TTFP = E2E."]
+    lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
+                   "is its batch size and TTFT = TTFP = E2E.")]
     return "\n".join(lines) + "\n"
 
 
