@@ -135,3 +135,25 @@ def test_seed_reproducible_through_all_stages() -> None:
     assert batch[1].token_ids == a.token_ids and np.array_equal(batch[1].codes, a.codes)
     other = o.chat(conv(0), sampling={**sampled["sampling"], "seed": 99}, talker_sampling=sampled["talker_sampling"])
     assert other.token_ids != a.token_ids or not np.array_equal(other.codes, a.codes)
+
+
+def test_stop_strings_and_stop_token_ids() -> None:
+    o = omni()
+    full = o.chat(conv(1), modalities=["text"], sampling={"temperature": 0, "max_tokens": 12})
+    assert full.finish_reason == "length" and len(full.token_ids) == 12
+    cut = full.token_ids[4]
+    by_id = o.chat(conv(1), modalities=["text"], sampling={"temperature": 0, "max_tokens": 12, "stop_token_ids": [cut]})
+    assert by_id.token_ids == full.token_ids[:5] and by_id.finish_reason == "stop"
+    stop = full.text[len(full.text) // 2:][:3]
+    by_text = o.chat(conv(1), modalities=["text"], sampling={"temperature": 0, "max_tokens": 12, "stop": [stop]})
+    assert by_text.finish_reason == "stop" and by_text.text == full.text[:full.text.index(stop)]
+
+
+def test_request_larger_than_the_kv_cache_is_refused() -> None:
+    o = omni()
+    room = o.engine.thinker.capacity()
+    with pytest.raises(ValueError, match="exceeds the thinker's KV cache"):
+        o.chat(conv(0), sampling={"max_tokens": room})
+    with pytest.raises(ValueError, match="exceeds the talker's KV cache"):
+        o.chat(conv(0), talker_sampling={"max_frames": o.engine.talker.capacity()})
+    assert o.engine.stats()["thinker"]["kv_blocks_used"] == 0

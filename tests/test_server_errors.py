@@ -123,11 +123,19 @@ def test_disconnect_aborts(server):
 
 
 def test_metrics_and_still_healthy(server, client):
+    client.chat.completions.create(model=MODEL, messages=USER, modalities=["text", "audio"], max_tokens=2,
+                                   audio={"voice": "Ethan", "format": "wav"},
+                                   extra_body={"max_audio_frames": 2})  # every histogram has a sample
     text = httpx.get(server.url + "/metrics").text
     for name in ("time_to_first_token_seconds", "time_to_first_audio_seconds", "audio_rtf",
                  "e2e_request_latency_seconds"):
         assert f"# TYPE omnistage_{name} histogram" in text and f"omnistage_{name}_count" in text
     assert re.search(r'omnistage_requests_total\{endpoint="/v1/chat/completions",status="400"\} (\d+)', text)
     assert 'endpoint="/v1/chat/completions",status="499"' in text
+    for stage in ("thinker", "talker"):  # the engine's gauges, read at scrape time
+        total = re.search(rf'omnistage_kv_cache_blocks_total\{{stage="{stage}"\}} (\d+)', text)
+        assert total and int(total.group(1)) > 0
+        assert f'omnistage_kv_cache_blocks_in_use{{stage="{stage}"}}' in text
+    assert 'omnistage_stage_queue_depth{stage="code2wav"}' in text
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=3)
     assert reply.usage.completion_tokens == 3

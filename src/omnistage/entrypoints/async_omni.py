@@ -60,5 +60,12 @@ class AsyncOmni:
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
+    def stats(self) -> dict[str, dict[str, int]]:
+        return self.engine.stats()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self.engine.error
+
     def shutdown(self) -> None:
         self.engine.shutdown()

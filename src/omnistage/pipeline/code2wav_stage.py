@@ -27,6 +27,7 @@ class Code2WavStage:
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
         self.max_batch_size = max_batch_size
+        self.last_batch = 0
         self.device = next(code2wav.parameters()).device
 
     def add(self, chunk: FrameChunk) -> None:
@@ -40,6 +41,9 @@ class Code2WavStage:
     @property
     def num_active(self) -> int:
         return len(self.seqs)
+
+    def stats(self) -> dict[str, int]:
+        return dict(batch_size=self.last_batch, queue_depth=sum(len(s.pending) for _, s in list(self.seqs.values())))
 
     def _receive(self) -> None:
         for chunk in self.inbox.drain():
@@ -66,6 +70,7 @@ class Code2WavStage:
         ready = [(rid, seq) for rid, (_, seq) in self.seqs.items()
                  if seq.pending and (len(seq.pending) >= self._target(seq) or seq.done)]
         finished = [rid for rid, (_, seq) in self.seqs.items() if seq.done and not seq.pending]
+        self.last_batch = len(ready)
         if ready:
             items = []
             for _, seq in ready:

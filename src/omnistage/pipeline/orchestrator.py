@@ -96,11 +96,27 @@ class Orchestrator:
             raise ValueError("give exactly one of messages and prompt_token_ids")
         prompt = PromptInputs(list(prompt_token_ids)) if messages is None else self.processor(messages)
         sp = from_dict(SamplingParams, sampling)
+        tp = from_dict(TalkerSamplingParams, talker_sampling)
         voice = voice or "Ethan"
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
-        return Request(request_id, prompt, sp, from_dict(TalkerSamplingParams, talker_sampling),
-                       request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+        need, room = len(prompt.input_ids) + sp.max_tokens, self.thinker.capacity()
+        if need > room:
+            raise ValueError(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sp.max_tokens}) = {need} "
+                             f"exceeds the thinker's KV cache ({room} tokens)")
+        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talker.capacity():
+            raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
+                             f"({self.talker.capacity()} rows)")
+        return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Per stage: last step's batch size, queue depth, KV blocks in use / total (for /metrics)."""
+        return {name: w.stage.stats() for name, w in self.workers.items()}
+
+    @property
+    def error(self) -> BaseException | None:
+        """Set once a stage has failed; the engine then refuses new requests."""
+        return self._error
 
     def add_request(self, req: Request) -> None:
         if self._error is not None:

@@ -61,6 +61,15 @@ class TalkerStage:
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
+        self.last_batch = 0
+
+    def capacity(self) -> int:
+        """The most rows (talker prompt + max_frames) one request may hold."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def stats(self) -> dict[str, int]:
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), kv_blocks_used=self.blocks.num_used,
+                    kv_blocks_total=self.blocks.num_blocks)
 
     def add(self, chunk: TextChunk) -> None:
         self.inbox.put(chunk)
@@ -125,6 +134,7 @@ class TalkerStage:
     @torch.no_grad()
     def step(self) -> bool:
         batch = self._schedule()
+        self.last_batch = len(batch)
         if not batch:
             return False
         seqs = [s for s, _ in batch]

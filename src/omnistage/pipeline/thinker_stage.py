@@ -29,6 +29,7 @@ class ThinkerSeq:
     seen: torch.Tensor | None  # [V] bool, prompt + output (repetition penalty)
     counts: torch.Tensor | None  # [V] int, output only (presence / frequency penalties)
     num_computed: int = 0
+    emitted: int = 0  # characters of detok.text already streamed
     output_ids: list[int] = field(default_factory=list)
     mm_hidden: list[torch.Tensor] = field(default_factory=list)
 
@@ -57,6 +58,15 @@ class ThinkerStage:
         self.inbox: Inbox[Request] = Inbox()
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
+        self.last_batch = 0
+
+    def capacity(self) -> int:
+        """The most tokens (prompt + max_tokens) one request may hold."""
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    def stats(self) -> dict[str, int]:
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), kv_blocks_used=self.blocks.num_used,
+                    kv_blocks_total=self.blocks.num_blocks)
 
     def add(self, req: Request) -> None:
         self.inbox.put(req)
@@ -121,6 +131,7 @@ class ThinkerStage:
     @torch.no_grad()
     def step(self) -> bool:
         batch = self._schedule()
+        self.last_batch = len(batch)
         if not batch:
             return False
         rows, positions = [], []
@@ -172,10 +183,16 @@ class ThinkerStage:
         seq.output_ids.append(token)
         record_tokens(t, None if seq.seen is None else seq.seen[None], None if seq.counts is None else seq.counts[None])
         req, sp = seq.req, seq.req.sampling
-        text = seq.detok.step(token)
-        stop_at = next((seq.detok.text.find(s) for s in sp.stop if s in seq.detok.text), -1)
-        if stop_at >= 0:
-            text = text[: max(0, len(text) - (len(seq.detok.text) - stop_at))]
+        seq.detok.step(token)
+        full = seq.detok.text
+        # NOTE: a stop string can only start in the held-back tail, so the search cost does not grow.
+        stop_at = min((i for i in (full.find(s, seq.emitted) for s in sp.stop) if i >= 0), default=-1)
+        stopped = stop_at >= 0 or token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos)
+        done = stopped or len(seq.output_ids) >= sp.max_tokens
+        hold = max(map(len, sp.stop), default=1) - 1
+        end = stop_at if stop_at >= 0 else len(full) if done else len(full) - hold
+        text = full[seq.emitted:end] if end > seq.emitted else ""
+        seq.emitted = max(seq.emitted, end)
         if req.want_audio:
             prompt = None
             if len(seq.output_ids) == 1:
@@ -183,8 +200,7 @@ class ThinkerStage:
                 prompt = TalkerPrompt(seq.prompt_ids, seq.embeds, mm)
             self.to_talker(TextChunk(req, embed, prompt))
         req.emit(OutputDelta(req.request_id, text=text, token_ids=[token]))
-        stopped = stop_at >= 0 or token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos)
-        if stopped or len(seq.output_ids) >= sp.max_tokens:
+        if done:
             req.finish_reason = "stop" if stopped else "length"
             self._finish(seq)
 

@@ -11,7 +11,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 
 from fastapi import FastAPI, Request
-from fastapi.responses import Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from omnistage.config import DeployConfig
@@ -58,13 +58,16 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     app.add_exception_handler(ClientDisconnect, _client_gone)
     install_api_key(app, api_key)
     metrics = metrics or ServerMetrics()
-    install_metrics(app, metrics)
+    install_metrics(app, metrics, getattr(engine, "stats", None))
     install_speech(app, engine, model_name, deploy, voices, metrics)
     started = int(time.time())
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok"}
+    async def health() -> Response:
+        error = getattr(engine, "error", None)
+        if error is not None:
+            return JSONResponse({"status": "error", "error": repr(error)}, status_code=503)
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:

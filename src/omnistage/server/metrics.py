@@ -8,6 +8,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections.abc import Callable
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -137,12 +138,16 @@ class ServerMetrics:
         return "\n".join(line for m in self._all for line in m.render()) + "\n"
 
 
-def install_metrics(app: FastAPI, metrics: ServerMetrics) -> None:
-    """Count every HTTP request by route and status, and serve GET /metrics."""
+def install_metrics(app: FastAPI, metrics: ServerMetrics,
+                    stage_stats: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+    """Count every HTTP request by route and status, and serve GET /metrics (with the engine's
+    per-stage gauges read from `stage_stats` at scrape time)."""
     app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
     async def _metrics() -> Response:
+        for stage, s in (stage_stats() if stage_stats is not None else {}).items():
+            metrics.observe_stage(stage, **s)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
 
