@@ -151,9 +151,9 @@ def test_stop_strings_and_stop_token_ids() -> None:
 
 def test_request_larger_than_the_kv_cache_is_refused() -> None:
     o = omni()
-    room = o.engine.thinker.capacity()
+    room = o.engine.thinker.blocks.capacity
     with pytest.raises(ValueError, match="exceeds the thinker's KV cache"):
         o.chat(conv(0), sampling={"max_tokens": room})
     with pytest.raises(ValueError, match="exceeds the talker's KV cache"):
-        o.chat(conv(0), talker_sampling={"max_frames": o.engine.talker.capacity()})
+        o.chat(conv(0), talker_sampling={"max_frames": o.engine.talker.blocks.capacity})
     assert o.engine.stats()["thinker"]["kv_blocks_used"] == 0

@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from omnistage.utils import deep_merge
 from omnistage.platform import PLATFORMS, detect_platform, platform_from_name
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
@@ -133,7 +134,7 @@ class DeployConfig:
 
 def build_deploy_config(data: dict, platform: str) -> DeployConfig:
     """Validate `data` merged over the built-in defaults, for `platform` (one of PLATFORMS)."""
-    config = _build(DeployConfig, _merge(DeployConfig().to_dict(), data), "")
+    config = _build(DeployConfig, deep_merge(DeployConfig().to_dict(), data), "")
     for name in STAGE_NAMES:
         _check_stage(name, config.stage(name), platform)
     return config
@@ -152,10 +153,10 @@ def load_deploy_config(
     raw = _read_yaml(Path(path))
     entries = raw.pop("platforms", None) or {}
     _check_entries(raw, entries, platform)
-    data = _merge(raw, entries.get(platform) or {})
-    data = _merge(data, overrides or {})
+    data = deep_merge(raw, entries.get(platform) or {})
+    data = deep_merge(data, overrides or {})
     stages = _parse_stage_overrides(stage_overrides)
-    return build_deploy_config(_merge(data, {"stages": stages}) if stages else data, platform)
+    return build_deploy_config(deep_merge(data, {"stages": stages}) if stages else data, platform)
 
 
 def default_deploy_config(model_dir: str | Path) -> Path:
@@ -235,7 +236,7 @@ def _check_entries(raw: dict, entries: Any, platform: str) -> None:
         if name == platform:
             continue
         try:
-            build_deploy_config(_merge(raw, entry or {}), name)
+            build_deploy_config(deep_merge(raw, entry or {}), name)
         except ConfigError as e:
             raise ConfigError(f"platforms.{name}: {e}") from None
 
@@ -258,17 +259,6 @@ def _parse_stage_overrides(value: str | dict | None) -> dict:
     if not isinstance(value or {}, dict):
         raise ConfigError(f"--stage-overrides: must be a JSON object keyed by stage name, got {value!r}")
     return value or {}
-
-
-def _merge(base: dict, over: dict) -> dict:
-    """Deep merge: mappings merge key by key, anything else in `over` replaces."""
-    out = copy.deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _merge(out[k], v)
-        else:
-            out[k] = copy.deepcopy(v)
-    return out
 
 
 def _join(path: str, key: Any) -> str:

@@ -36,3 +36,11 @@ class BlockManager:
     @property
     def num_used(self) -> int:
         return self.num_blocks - len(self.free)
+
+    @property
+    def capacity(self) -> int:
+        """The most tokens one sequence can hold."""
+        return self.num_blocks * self.block_size
+
+    def stats(self) -> dict[str, int]:
+        return dict(kv_blocks_used=self.num_used, kv_blocks_total=self.num_blocks)

@@ -100,13 +100,13 @@ class Orchestrator:
         voice = voice or "Ethan"
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
-        need, room = len(prompt.input_ids) + sp.max_tokens, self.thinker.capacity()
+        need, room = len(prompt.input_ids) + sp.max_tokens, self.thinker.blocks.capacity
         if need > room:
             raise ValueError(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sp.max_tokens}) = {need} "
                              f"exceeds the thinker's KV cache ({room} tokens)")
-        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talker.capacity():
+        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talker.blocks.capacity:
             raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
-                             f"({self.talker.capacity()} rows)")
+                             f"({self.talker.blocks.capacity} rows)")
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -63,13 +63,8 @@ class TalkerStage:
         self.waiting: deque[TalkerSeq] = deque()
         self.last_batch = 0
 
-    def capacity(self) -> int:
-        """The most rows (talker prompt + max_frames) one request may hold."""
-        return self.blocks.num_blocks * self.blocks.block_size
-
     def stats(self) -> dict[str, int]:
-        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), kv_blocks_used=self.blocks.num_used,
-                    kv_blocks_total=self.blocks.num_blocks)
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
 
     def add(self, chunk: TextChunk) -> None:
         self.inbox.put(chunk)

@@ -60,13 +60,8 @@ class ThinkerStage:
         self.running: list[ThinkerSeq] = []
         self.last_batch = 0
 
-    def capacity(self) -> int:
-        """The most tokens (prompt + max_tokens) one request may hold."""
-        return self.blocks.num_blocks * self.blocks.block_size
-
     def stats(self) -> dict[str, int]:
-        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), kv_blocks_used=self.blocks.num_used,
-                    kv_blocks_total=self.blocks.num_blocks)
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
 
     def add(self, req: Request) -> None:
         self.inbox.put(req)

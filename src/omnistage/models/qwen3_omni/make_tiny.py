@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from omnistage.models.qwen3_omni.checkpoint_io import plan_shards, write_checkpoint
+from omnistage.utils import deep_merge
 from omnistage.models.qwen3_omni.checkpoint_names import checkpoint_tensors, hf_to_checkpoint_name
 from omnistage.models.qwen3_omni.presets import PRESETS, preset_config
 from omnistage.models.qwen3_omni.processor_files import write_processor_files
@@ -32,17 +33,6 @@ DEFAULT_MAX_SHARD_BYTES = 50 * 1000**2
 # Modules whose code decides the bytes that make_tiny writes (they key `tiny_checkpoint`'s cache).
 _OUTPUT_MODULES = ("make_tiny", "checkpoint_io", "checkpoint_names", "presets", "processor_files",
                    "random_init", "tokenizer")
-
-
-def deep_merge(base: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """A copy of `base` with `overrides` merged in, nested dicts key by key."""
-    out = copy.deepcopy(base)
-    for key, value in overrides.items():
-        if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = deep_merge(out[key], value)
-        else:
-            out[key] = copy.deepcopy(value)
-    return out
 
 
 def hf_parameter_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...]]]:
