@@ -14,7 +14,7 @@
 #   BENCH_HF_BATCHES=1,2 BENCH_HF_RESERVE=40 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 BENCH_PYTHON=.venv/bin/python \
 #   OUT=/tmp/bench scripts/gpu_bench.sh
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
-# BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED.
+# BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
@@ -42,7 +42,8 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/bench.log") 2>&1
 export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
 if ! "$PY" -c "import fastapi, uvicorn, pydantic, soundfile" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "${BENCH_WHEELS:-.whl}"/*.whl \
     && export PYTHONPATH=/tmp/site:$PYTHONPATH || { echo "wheel install failed"; exit 1; }
 fi
 echo "[$((SECONDS - T0)) s] python ready"
