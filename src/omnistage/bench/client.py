@@ -116,7 +116,8 @@ async def run_requests(client: httpx.AsyncClient, bodies: list[dict], concurrenc
     if on_done is not None:
         for t in tasks:
             t.add_done_callback(lambda t: None if t.cancelled() or t.result() is None else on_done())
-    done, pending = await asyncio.wait(tasks, timeout=max(0.0, give_up - time.perf_counter()))
+    timeout = None if give_up == float("inf") else max(0.0, give_up - time.perf_counter())
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
     cancelled = in_flight
     for t in pending:
         t.cancel()
