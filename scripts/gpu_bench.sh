@@ -66,7 +66,7 @@ for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
   sleep 1
 done
 echo "[$((SECONDS - T0)) s] server up=$up"
-[[ $up == 1 ]] || tail -30 "$OUT/server.log"
+[[ $up == 1 ]] || { tail -40 "$OUT/server.log"; exit 1; }  # no server: spend no more device time
 
 HF_RESERVE=${BENCH_HF_RESERVE:-170}
 if [[ $up == 1 ]]; then
