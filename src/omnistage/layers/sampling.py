@@ -80,10 +80,11 @@ def _fmix32(x: torch.Tensor) -> torch.Tensor:
 def exponential_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab: int) -> torch.Tensor:
     """Exp(1) noise [B, vocab], a pure function of (seed, step, token id) per element."""
     key = _fmix32(_fmix32(seeds & _M32) ^ ((seeds >> 32) & _M32))
-    key = _fmix32((key + steps) & _M32)
-    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
-    h = _fmix32(key[:, None] ^ _fmix32((ids * 0x9E3779B9) & _M32)[None, :])
-    h = _fmix32((h + key[:, None]) & _M32)
+    key = _fmix32((key + steps) & _M32)[:, None]
+    # NOTE: token ids enter only through `key + id`, never multiplied: inductor keeps an arange as an int32
+    # index expression and then fails on (or overflows) products with 32-bit constants.
+    h = _fmix32((key + torch.arange(vocab, device=seeds.device, dtype=torch.int64)) & _M32)
+    h = _fmix32(h ^ _fmix32(key ^ 0x5BD1E995))
     u = ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
     return -torch.log(u)
 

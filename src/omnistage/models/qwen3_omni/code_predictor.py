@@ -44,12 +44,10 @@ class StaticKVAttention(nn.Module):
         n = q.shape[0] // b
         self.k_cache[:b, p:p + n] = k.view(b, n, self.num_kv_heads, self.head_dim)
         self.v_cache[:b, p:p + n] = v.view(b, n, self.num_kv_heads, self.head_dim)
-        rep = self.num_heads // self.num_kv_heads
-        keys = self.k_cache[:b, :p + n].repeat_interleave(rep, dim=2).transpose(1, 2)
-        values = self.v_cache[:b, :p + n].repeat_interleave(rep, dim=2).transpose(1, 2)
+        keys, values = self.k_cache[:b, :p + n].transpose(1, 2), self.v_cache[:b, :p + n].transpose(1, 2)
         causal = torch.ones(n, p + n, dtype=torch.bool, device=q.device).tril(diagonal=p)
         out = F.scaled_dot_product_attention(q.view(b, n, self.num_heads, self.head_dim).transpose(1, 2), keys,
-                                             values, attn_mask=causal, scale=self.scale)
+                                             values, attn_mask=causal, scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim)
 
 
