@@ -198,19 +198,10 @@ def test_batched_steps_equal_single_requests():
     expect = torch.zeros_like(seen)
     expect.scatter_(1, out[:, 0], True)
     assert torch.equal(seen, expect)
+    # the sampled request draws the same codes alone, valid ones, and others with another seed
     alone = generate_codes(talker, *rows[1], TalkerSamplingParams(seed=4), max_frames=frames)
-    assert torch.equal(out[1], alone)
-
-
-def test_sampled_generation_is_seeded_and_valid():
-    talker = our_talker("tiny")
-    prompt, rows = our_rows("tiny", hf_capture("tiny", "Ethan"), "Ethan")
-    run = lambda seed: generate_codes(talker, prompt, rows, TalkerSamplingParams(seed=seed), max_frames=10)  # noqa: E731
-    a, b = run(1), run(2)
-    assert torch.equal(a, run(1)) and (a != b).float().mean() > 0.5
-    assert a.shape == (16, 10) and a.max() < 2048
-    greedy = generate_codes(talker, prompt, rows, GREEDY, max_frames=10)
-    assert (a[0] != greedy[0]).any()
+    other = generate_codes(talker, *rows[1], TalkerSamplingParams(seed=5), max_frames=frames)
+    assert torch.equal(out[1], alone) and out[1].max() < 2048 and (other != alone).float().mean() > 0.5
 
 
 def test_stops_at_eos_like_transformers():
