@@ -36,15 +36,14 @@ class SamplingTensors:
     need_truncation: bool = True
 
     @classmethod
-    def build(cls, params: Sequence[Any], seeds: Sequence[int], device: torch.device | str = "cpu",
-              **override: float) -> SamplingTensors:
-        """From per-row parameter objects (missing fields take neutral values) and per-row seeds.
-        `override` replaces a field for every row (e.g. the code predictor's `top_k=50, top_p=0.8`)."""
+    def build(cls, params: Sequence[Any], seeds: Sequence[int], device: torch.device | str = "cpu"
+              ) -> SamplingTensors:
+        """From per-row parameter objects (missing fields take neutral values) and per-row seeds."""
         def col(name: str, default: float, dtype: torch.dtype) -> torch.Tensor:
-            vals = [override.get(name, getattr(p, name, default)) for p in params]
-            return torch.tensor(vals, dtype=dtype, device=device)
+            return torch.tensor([getattr(p, name, default) for p in params], dtype=dtype, device=device)
 
-        st = cls(
+        sampled = [p for p in params if getattr(p, "temperature", 0.0) > 0]
+        return cls(
             temperature=col("temperature", 0.0, torch.float32),
             top_k=col("top_k", 0, torch.int64),
             top_p=col("top_p", 1.0, torch.float32),
@@ -53,14 +52,10 @@ class SamplingTensors:
             presence_penalty=col("presence_penalty", 0.0, torch.float32),
             frequency_penalty=col("frequency_penalty", 0.0, torch.float32),
             seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            all_greedy=not sampled,
+            need_truncation=any(getattr(p, "top_k", 0) > 0 or getattr(p, "top_p", 1.0) < 1
+                                or getattr(p, "min_p", 0.0) > 0 for p in sampled),
         )
-        sampled = [i for i, p in enumerate(params) if override.get("temperature", getattr(p, "temperature", 0)) > 0]
-        st.all_greedy = not sampled
-        st.need_truncation = any(
-            override.get("top_k", getattr(params[i], "top_k", 0)) > 0
-            or override.get("top_p", getattr(params[i], "top_p", 1.0)) < 1
-            or override.get("min_p", getattr(params[i], "min_p", 0.0)) > 0 for i in sampled)
-        return st
 
 
 def request_seed(seed: int | None) -> int:
