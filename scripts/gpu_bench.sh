@@ -88,6 +88,7 @@ kill $SERVER 2>/dev/null
 for ((i = 0; i < 60; i++)); do kill -0 $SERVER 2>/dev/null || break; sleep 1; done
 kill -9 $SERVER 2>/dev/null
 
+[[ -n ${BENCH_SKIP_HF:-} ]] && { ls -la "$OUT"; exit 0; }
 "$PY" -m omnistage.cli bench --backend hf --model-dir "$MODEL" ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} \
   --prompt-tokens 160 --concurrency "${BENCH_HF_BATCHES:-1,4,8}" --num-prompts "${BENCH_HF_NUM_PROMPTS:-8}" \
   --warmup 1 --time-budget $(($(left) - 10)) "${COMMON[@]}"

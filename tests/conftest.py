@@ -12,7 +12,7 @@ import torch
 from omnistage.models.qwen3_omni.presets import preset_config
 from omnistage.models.qwen3_omni.weights import init_reference_weights
 
-torch.set_num_threads(2)
+torch.set_num_threads(1)  # tiny ops: threads cost more than they give
 
 
 @functools.cache

@@ -117,6 +117,7 @@ def test_64_mixed_requests() -> None:
         assert len(r.token_ids) <= 2 + i % 5 and r.finish_reason in ("stop", "length")
         if audio[i]:
             assert r.codes.shape == (16, frames[i]) and len(r.audio) == frames[i] * 1920 - 555
+            assert (r.codes < 2048).all()  # ignore_eos: codec_eos is suppressed, never sent to code2wav
         else:
             assert r.audio is None
     for i in (0, 1, 2, 5):  # the voice (and everything else) of a request equals its run alone

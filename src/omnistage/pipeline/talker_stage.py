@@ -144,8 +144,9 @@ class TalkerStage:
         seen = torch.stack([s.seen for s in seqs])
         frame_index = torch.tensor([s.frames for s in seqs], device=self.device)
         with forward_context(ctx):
+            ignore_eos = torch.tensor([p.ignore_eos for p in params], device=self.device)
             frames, codec_embeds = self.talker.step(torch.cat([r for _, r in batch]), positions, last, st,
-                                                    frame_index, seen)
+                                                    frame_index, seen, ignore_eos)
         c0 = frames[:, 0].tolist()
         for i, (seq, n) in enumerate(zip(seqs, lens)):
             seq.seen.copy_(seen[i])
@@ -155,7 +156,7 @@ class TalkerStage:
 
     def _advance(self, seq: TalkerSeq, frame: torch.Tensor, codec_embed: torch.Tensor, c0: int) -> None:
         tp = seq.req.talker_sampling
-        if c0 == self.talker.codec_eos and not tp.ignore_eos:
+        if c0 == self.talker.codec_eos:
             return self._finish(seq)
         seq.frames += 1
         seq.codec_embed = codec_embed
