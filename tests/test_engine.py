@@ -19,11 +19,12 @@ PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two
 
 
 @functools.cache
-def omni(initial: int = 4, chunk: int = 25) -> Omni:
+def omni(initial: int = 4, chunk: int = 25, replicas: int = 1) -> Omni:
     d = tiny_checkpoint("tiny")
-    deploy = load_deploy_config(default_deploy_config(d), platform="cpu",
-                                overrides={"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk}})
-    return Omni(d, deploy=deploy, device="cpu")
+    overrides = {"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk},
+                 "stages": {"talker": {"replicas": replicas}, "code2wav": {"replicas": replicas}}}
+    return Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu", overrides=overrides),
+                device="cpu")
 
 
 def conv(i: int) -> list[dict]:
@@ -49,7 +50,7 @@ def test_stream_chunks_are_sample_exact(initial: int, chunk: int) -> None:
     assert [len(d.audio) for d in chunks] == [f * 1920 - (555 if i == 0 else 0) for i, f in enumerate(frames)]
     codes = np.concatenate([d.codes for d in chunks], 1)
     with torch.no_grad():
-        whole = o.engine.code2wav.streamer.model(torch.tensor(codes)[None])[0, 0].numpy()
+        whole = o.engine.code2wavs[0].streamer.model(torch.tensor(codes)[None])[0, 0].numpy()
     streamed = np.concatenate([d.audio for d in chunks])
     assert streamed.shape == whole.shape == (33 * 1920 - 555,)
     assert float(np.abs(streamed - whole).max()) < 1e-5
@@ -77,13 +78,17 @@ def test_talker_waits_for_a_slow_thinker() -> None:
 def _all_free(o: Omni) -> None:
     e = o.engine
     assert e.thinker.blocks.num_used == 0 and not e.thinker.running and not e.thinker.waiting
-    assert e.talker.blocks.num_used == 0 and not e.talker.seqs
-    assert not e.code2wav.seqs and len(e.code2wav.streamer.cache.free_slots) == e.code2wav.max_batch_size
+    for t in e.talkers:
+        assert t.blocks.num_used == 0 and not t.seqs
+    for c in e.code2wavs:
+        assert not c.seqs and len(c.streamer.cache.free_slots) == c.max_batch_size
+    assert e.talker_router.load == [0] * len(e.talkers) and e.code2wav_router.load == [0] * len(e.code2wavs)
     assert not e.requests
 
 
-def test_random_aborts_free_everything() -> None:
-    o = omni()
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_random_aborts_free_everything(replicas: int) -> None:
+    o = omni(replicas=replicas)
     reference = o.chat(conv(2), **greedy(6, 12))
     rng = random.Random(0)
     for i in range(100):
@@ -156,5 +161,26 @@ def test_request_larger_than_the_kv_cache_is_refused() -> None:
     with pytest.raises(ValueError, match="exceeds the thinker's KV cache"):
         o.chat(conv(0), sampling={"max_tokens": room})
     with pytest.raises(ValueError, match="exceeds the talker's KV cache"):
-        o.chat(conv(0), talker_sampling={"max_frames": o.engine.talker.blocks.capacity})
+        o.chat(conv(0), talker_sampling={"max_frames": o.engine.talkers[0].blocks.capacity})
     assert o.engine.stats()["thinker"]["kv_blocks_used"] == 0
+
+
+def test_replicas_share_the_load_and_match_one_replica() -> None:
+    one, two = omni(), omni(replicas=2)
+    convs = [conv(i) for i in range(6)]
+    kw = dict(voice=["Ethan", "Aiden", "Chelsie"] * 2, sampling={"temperature": 0, "max_tokens": 5},
+              talker_sampling={"temperature": 0, "max_frames": 9})
+    counts = [0, 0]
+    stages = two.engine.talkers
+    steps = [s.step for s in stages]
+    for i, s in enumerate(stages):
+        s.step = lambda i=i: (counts.__setitem__(i, counts[i] + (stages[i].num_active > 0)) or steps[i]())
+    try:
+        a, b = one.chat(convs, **kw), two.chat(convs, **kw)
+    finally:
+        for s in stages:
+            del s.step
+    assert counts[0] > 0 and counts[1] > 0  # both talker replicas did work
+    for x, y in zip(a, b):
+        assert x.token_ids == y.token_ids and np.array_equal(x.codes, y.codes)
+        np.testing.assert_allclose(x.audio, y.audio, atol=1e-6)

@@ -18,6 +18,8 @@ from omnistage.models.qwen3_omni.model import build_stage, load_config, resolve_
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.code2wav_stage import Code2WavStage
+from omnistage.pipeline.connector import FrameChunk, TextChunk
+from omnistage.pipeline.router import Router
 from omnistage.pipeline.talker_stage import TalkerStage
 from omnistage.pipeline.thinker_stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
@@ -40,43 +42,49 @@ class Orchestrator:
     def __init__(self, model_dir: str | Path, *, deploy: DeployConfig | None = None, load_format: str = "auto",
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
                  seed: int = 0) -> None:
-        """`device` (if given) places every stage there; otherwise each stage goes to its deploy `devices[0]`."""
+        """`device` (if given) places every stage there; otherwise replica i of a stage goes to its deploy
+        `devices[i % len(devices)]`. The thinker is single; talker and code2wav may have replicas."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         self.processor = PromptProcessor(model_dir)
         platform = current_platform()
 
-        def place(name: str) -> tuple[StageConfig, torch.device, torch.dtype, torch.nn.Module]:
+        def place(name: str, index: int = 0) -> tuple[StageConfig, torch.device, torch.dtype, torch.nn.Module]:
             sc = self.deploy.stage(name)
-            dev = torch.device(device) if device is not None else platform.device(sc.devices[0])
+            dev = torch.device(device) if device is not None else platform.device(sc.replica_devices[index])
             dt = resolve_dtype(dtype or sc.dtype, dev)
             module = build_stage(self.config, name, model_dir=model_dir, load_format=load_format, device=dev,
                                  dtype=dt, seed=seed)
             return sc, dev, dt, module
 
         th, th_dev, th_dt, thinker = place("thinker")
-        self.thinker = ThinkerStage(thinker, self.config, self.processor.tokenizer, self._to("talker"),
+        self.thinker = ThinkerStage(thinker, self.config, self.processor.tokenizer, self._to_talker,
                                     max_batch_size=th.max_batch_size, max_num_batched_tokens=th.max_num_batched_tokens,
                                     num_blocks=_num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size)
-        self.workers = {"thinker": StageWorker("thinker", self.thinker, th_dev, self._fail_all)}
-        self.talker = self.code2wav = None
+        self.workers = [StageWorker("thinker", self.thinker, th_dev, self._fail_all)]
+        self.talkers: list[TalkerStage] = []
+        self.code2wavs: list[Code2WavStage] = []
         if self.config.enable_audio_output:
-            tk, tk_dev, tk_dt, talker = place("talker")
             ids = [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id]
             tts = thinker.model.embed_tokens(torch.tensor(ids, device=th_dev))
-            self.talker = TalkerStage(talker, self.config, self._to("code2wav"), tts, max_batch_size=tk.max_batch_size,
-                                      num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size)
-            cw, cw_dev, _, code2wav = place("code2wav")
             conn = self.deploy.connector
-            self.code2wav = Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
-                                          initial_chunk_frames=conn.initial_codec_chunk_frames,
-                                          chunk_frames=conn.codec_chunk_frames)
-            self.workers["talker"] = StageWorker("talker", self.talker, tk_dev, self._fail_all)
-            self.workers["code2wav"] = StageWorker("code2wav", self.code2wav, cw_dev, self._fail_all)
+            for i in range(self.deploy.stages.talker.replicas):
+                tk, tk_dev, tk_dt, talker = place("talker", i)
+                self.talkers.append(TalkerStage(
+                    talker, self.config, self._to_code2wav, tts, max_batch_size=tk.max_batch_size,
+                    num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size))
+                self.workers.append(StageWorker(f"talker{i}", self.talkers[-1], tk_dev, self._fail_all))
+            for i in range(self.deploy.stages.code2wav.replicas):
+                cw, cw_dev, _, code2wav = place("code2wav", i)
+                self.code2wavs.append(Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
+                                                    initial_chunk_frames=conn.initial_codec_chunk_frames,
+                                                    chunk_frames=conn.codec_chunk_frames))
+                self.workers.append(StageWorker(f"code2wav{i}", self.code2wavs[-1], cw_dev, self._fail_all))
+        self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
         self.requests: dict[str, Request] = {}
         self._done = threading.Condition()
         self._error: BaseException | None = None
-        for w in self.workers.values():
+        for w in self.workers:
             w.start()
         # NOTE: worker threads still inside torch at interpreter exit abort the process (std::terminate).
         atexit.register(self.shutdown)
@@ -85,8 +93,13 @@ class Orchestrator:
     def voices(self) -> list[str]:
         return sorted(self.config.talker_config.speaker_id)
 
-    def _to(self, stage: str) -> Callable[[Any], None]:
-        return lambda chunk: getattr(self, stage).add(chunk)
+    def _to_talker(self, chunk: TextChunk) -> None:
+        if not chunk.request.aborted:
+            self.talkers[self.talker_router.pick(chunk.request.request_id)].add(chunk)
+
+    def _to_code2wav(self, chunk: FrameChunk) -> None:
+        if not chunk.request.aborted:
+            self.code2wavs[self.code2wav_router.pick(chunk.request.request_id)].add(chunk)
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
@@ -104,14 +117,14 @@ class Orchestrator:
         if need > room:
             raise ValueError(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sp.max_tokens}) = {need} "
                              f"exceeds the thinker's KV cache ({room} tokens)")
-        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talker.blocks.capacity:
+        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talkers[0].blocks.capacity:
             raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
-                             f"({self.talker.blocks.capacity} rows)")
+                             f"({self.talkers[0].blocks.capacity} rows)")
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total (for /metrics)."""
-        return {name: w.stage.stats() for name, w in self.workers.items()}
+        return {w.name: w.stage.stats() for w in self.workers}
 
     @property
     def error(self) -> BaseException | None:
@@ -121,15 +134,13 @@ class Orchestrator:
     def add_request(self, req: Request) -> None:
         if self._error is not None:
             raise RuntimeError(f"the engine has failed: {self._error!r}")
-        if req.want_audio and self.talker is None:
+        if req.want_audio and not self.talkers:
             raise ValueError("this checkpoint has no audio output (enable_audio_output is false)")
         emit = req.emit
 
         def emit_and_forget(delta: OutputDelta) -> None:
             if delta.finished:
-                with self._done:
-                    self.requests.pop(req.request_id, None)
-                    self._done.notify_all()
+                self._forget(req.request_id)
             emit(delta)
 
         req.emit = emit_and_forget
@@ -137,15 +148,22 @@ class Orchestrator:
             self.requests[req.request_id] = req
         self.thinker.add(req)
 
+    def _forget(self, request_id: str) -> None:
+        with self._done:
+            self.requests.pop(request_id, None)
+            self._done.notify_all()
+        self.talker_router.release(request_id)
+        self.code2wav_router.release(request_id)
+
     def abort(self, request_id: str) -> None:
         """Frees what the request holds in every stage; its stream gets no further items."""
-        with self._done:
-            req = self.requests.pop(request_id, None)
-            self._done.notify_all()
-        if req is not None:
-            req.aborted = True
-            for w in self.workers.values():
-                w.abort(request_id)
+        req = self.requests.get(request_id)
+        if req is None:
+            return
+        req.aborted = True  # NOTE: before forgetting it, so no stage routes it again
+        self._forget(request_id)
+        for w in self.workers:
+            w.abort(request_id)
 
     def wait(self, request_ids: list[str]) -> None:
         """Block until these requests finished (or were aborted); raises if a stage failed."""
@@ -165,5 +183,5 @@ class Orchestrator:
             req.emit(OutputDelta(req.request_id, finished=True, finish_reason="error"))
 
     def shutdown(self) -> None:
-        for w in self.workers.values():
+        for w in self.workers:
             w.stop()
