@@ -23,7 +23,8 @@ def decode_audio_bytes(data: bytes) -> np.ndarray:
     try:
         wav, rate = sf.read(io.BytesIO(data), dtype="float32", always_2d=True)
     except Exception as e:  # soundfile raises several types for unreadable data
-        raise MediaError(f"cannot decode audio: {e}") from e
+        raise MediaError("cannot decode audio: not a format libsndfile reads (wav, flac, ogg, mp3), "
+                         "or the data is corrupt") from e
     return resample(wav.mean(axis=1), rate, AUDIO_INPUT_RATE)
 
 
