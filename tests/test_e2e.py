@@ -153,3 +153,36 @@ def test_parity_on_unseen_shapes(tmp_path, seed: int) -> None:
     assert out.token_ids == seqs[0, len(ids):].tolist()
     assert np.array_equal(out.codes, captured["codes"][0].numpy())
     assert float(np.abs(out.audio - wav.reshape(-1).numpy()).max()) < 1e-4
+
+
+def test_audio_input_matches_transformers() -> None:
+    import base64
+    import io
+
+    import soundfile as sf
+
+    o = omni("tiny")
+    t = np.arange(int(16000 * 1.5)) / 16000
+    buf = io.BytesIO()
+    sf.write(buf, (0.3 * np.sin(2 * np.pi * 220 * t)).astype(np.float32), 16000, format="WAV")
+    part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(buf.getvalue()).decode(), "format": "wav"}}
+    messages = [{"role": "user", "content": [part, {"type": "text", "text": "What is this sound?"}]}]
+    prompt = o.engine.processor(messages)
+    assert prompt.input_ids.count(151675) == 20  # 1.5 s of audio -> 20 audio tokens
+    model, captured, orig, spy = capture_codes("tiny")
+    model.code2wav.chunked_decode = spy
+    try:
+        x = torch.tensor([prompt.input_ids])
+        with torch.no_grad():
+            seqs, wav = model.generate(input_ids=x, attention_mask=torch.ones_like(x), speaker="Chelsie",
+                                       input_features=prompt.input_features,
+                                       feature_attention_mask=prompt.feature_attention_mask, return_audio=True,
+                                       thinker_max_new_tokens=6, thinker_do_sample=False, talker_max_new_tokens=13,
+                                       talker_do_sample=False)
+    finally:
+        model.code2wav.chunked_decode = orig
+    out = o.chat(messages, voice="Chelsie", sampling={"temperature": 0, "max_tokens": 6},
+                 talker_sampling={"temperature": 0, "max_frames": 12})
+    assert out.token_ids == seqs[0, x.shape[1]:].tolist()
+    assert np.array_equal(out.codes, captured["codes"][0].numpy())
+    assert float(np.abs(out.audio - wav.reshape(-1).numpy()).max()) < 1e-4

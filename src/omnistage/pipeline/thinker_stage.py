@@ -28,6 +28,7 @@ class ThinkerSeq:
     detok: IncrementalDetokenizer
     seen: torch.Tensor | None  # [V] bool, prompt + output (repetition penalty)
     counts: torch.Tensor | None  # [V] int, output only (presence / frequency penalties)
+    has_mm: bool = False  # the prompt has multimodal placeholders (the talker needs their hidden rows)
     num_computed: int = 0
     emitted: int = 0  # characters of detok.text already streamed
     output_ids: list[int] = field(default_factory=list)
@@ -92,7 +93,7 @@ class ThinkerStage:
             counts = torch.zeros(self.vocab, dtype=torch.int32, device=self.device)
         mm = torch.isin(ids, torch.tensor(sorted(self._mm_ids()), device=self.device))
         return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(self.tokenizer, req.prompt.input_ids), seen,
-                          counts)
+                          counts, has_mm=bool(mm.any()))
 
     def _mm_ids(self) -> set[int]:
         t = self.thinker
@@ -129,20 +130,18 @@ class ThinkerStage:
         self.last_batch = len(batch)
         if not batch:
             return False
-        rows, positions = [], []
-        for seq, n in batch:
-            start = seq.num_computed
-            if seq.in_prefill:
-                rows.append(seq.embeds[start:start + n])
-            else:
-                rows.append(self.thinker.model.embed_tokens(torch.tensor(seq.output_ids[-1:], device=self.device)))
-            positions.append(torch.arange(start, start + n, device=self.device))
-        capture = self.accept_layer if any(s.in_prefill and bool(s.mm_mask.any()) for s, _ in batch) else None
+        # NOTE: `_schedule` puts decodes first: their rows are one embedding lookup, then prefill slices.
+        decode_ids = [s.output_ids[-1] for s, _ in batch if not s.in_prefill]
+        rows = [self.thinker.model.embed_tokens(torch.tensor(decode_ids, device=self.device))] if decode_ids else []
+        rows += [s.embeds[s.num_computed:s.num_computed + n] for s, n in batch if s.in_prefill]
+        positions = torch.tensor([p for s, n in batch for p in range(s.num_computed, s.num_computed + n)],
+                                 device=self.device)
+        capture = self.accept_layer if any(s.in_prefill and s.has_mm for s, _ in batch) else None
         ctx = build_context([s.num_computed for s, _ in batch], [n for _, n in batch],
                             [self.blocks.tables[s.req.request_id] for s, _ in batch], self.blocks.block_size,
                             self.device)
         with forward_context(ctx):
-            hidden, accept = self.thinker.model(torch.cat(rows), torch.cat(positions), capture)
+            hidden, accept = self.thinker.model(torch.cat(rows), positions, capture)
         offset, samplers = 0, []
         for seq, n in batch:
             if capture is not None and seq.in_prefill:
