@@ -184,3 +184,25 @@ def test_replicas_share_the_load_and_match_one_replica() -> None:
     for x, y in zip(a, b):
         assert x.token_ids == y.token_ids and np.array_equal(x.codes, y.codes)
         np.testing.assert_allclose(x.audio, y.audio, atol=1e-6)
+
+
+def test_async_chunk_off_starts_the_talker_after_the_thinker() -> None:
+    d = tiny_checkpoint("tiny")
+    deploy = load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"async_chunk": False})
+    off, on = Omni(d, deploy=deploy, device="cpu"), omni()
+    talker = off.engine.talkers[0]
+    seen_text_done = []
+    step = talker.step
+
+    def watch() -> bool:
+        seen_text_done.extend(s.thinker_done for s in talker.seqs.values())
+        return step()
+
+    talker.step = watch
+    try:
+        a = off.chat(conv(1), **greedy(9, 14))
+    finally:
+        off.engine.shutdown()
+    b = on.chat(conv(1), **greedy(9, 14))
+    assert seen_text_done and all(seen_text_done)
+    assert a.token_ids == b.token_ids and np.array_equal(a.codes, b.codes)

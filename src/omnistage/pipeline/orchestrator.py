@@ -72,7 +72,8 @@ class Orchestrator:
                 tk, tk_dev, tk_dt, talker = place("talker", i)
                 self.talkers.append(TalkerStage(
                     talker, self.config, self._to_code2wav, tts, max_batch_size=tk.max_batch_size,
-                    num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size))
+                    num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size,
+                    cuda_graph=tk.cuda_graph, graph_batch_sizes=tk.graph_batch_sizes()))
                 self.workers.append(StageWorker(f"talker{i}", self.talkers[-1], tk_dev, self._fail_all))
             for i in range(self.deploy.stages.code2wav.replicas):
                 cw, cw_dev, _, code2wav = place("code2wav", i)
@@ -82,6 +83,7 @@ class Orchestrator:
                 self.workers.append(StageWorker(f"code2wav{i}", self.code2wavs[-1], cw_dev, self._fail_all))
         self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
         self.requests: dict[str, Request] = {}
+        self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
         self._done = threading.Condition()
         self._error: BaseException | None = None
         for w in self.workers:
@@ -94,8 +96,19 @@ class Orchestrator:
         return sorted(self.config.talker_config.speaker_id)
 
     def _to_talker(self, chunk: TextChunk) -> None:
-        if not chunk.request.aborted:
-            self.talkers[self.talker_router.pick(chunk.request.request_id)].add(chunk)
+        if chunk.request.aborted:
+            return
+        if not self.deploy.async_chunk:  # ablation: the talker starts once the thinker has finished
+            held = self._held.setdefault(chunk.request.request_id, [])
+            held.append(chunk)
+            if not chunk.finished:
+                return
+            del self._held[chunk.request.request_id]
+        else:
+            held = [chunk]
+        talker = self.talkers[self.talker_router.pick(chunk.request.request_id)]
+        for c in held:
+            talker.add(c)
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
         if not chunk.request.aborted:
@@ -162,6 +175,7 @@ class Orchestrator:
             return
         req.aborted = True  # NOTE: before forgetting it, so no stage routes it again
         self._forget(request_id)
+        self._held.pop(request_id, None)
         for w in self.workers:
             w.abort(request_id)
 
