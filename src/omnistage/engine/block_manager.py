@@ -30,6 +30,14 @@ class BlockManager:
         table.extend(self.free.popleft() for _ in range(need))
         return table
 
+    def reserve(self) -> int:
+        """Take one free block out of the pool for good (e.g. the block that padding rows of a CUDA
+        graph write): no sequence ever gets it, and it counts neither as used nor in the total."""
+        if not self.free:
+            raise MemoryError("KV cache full: no block left to reserve")
+        self.num_blocks -= 1
+        return self.free.pop()
+
     def release(self, seq_id: str) -> None:
         self.free.extend(self.tables.pop(seq_id, ()))
 

@@ -1,0 +1,113 @@
+"""CUDA graphs for decode steps: batch and KV-width buckets, static attention metadata, capture/replay.
+
+A decode step of B rows (one new token each) whose longest context spans `need` KV blocks runs as the
+graph of (the smallest batch bucket >= B, `width_bucket(need)`). Rows past B are padding rows.
+
+Width buckets are powers of two, capped at the widest block table. The batched decode attention
+(`layers.attention.paged_decode_attention`) gathers `width` blocks for every row, so a bucket costs at
+most 2x the gather + SDPA work (and transient memory: rows x width x block_size x KV x D x 2 per layer)
+of the batch's longest context. A (batch, width) pair is captured on the first step that needs it, so
+only the pairs a workload reaches exist: at most ceil(log2(max width)) + 1 per batch bucket, in practice
+a handful (P prompt rows + F frames need widths up to ceil((P + F) / block_size)). Every capture is
+logged with its time and the growth of the reserved memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+
+from omnistage.layers.context import ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+def batch_bucket(rows: int, sizes: Sequence[int]) -> int | None:
+    """The smallest of `sizes` (ascending) that holds `rows`; None when none does."""
+    return next((s for s in sizes if s >= rows), None)
+
+
+def width_bucket(need: int, max_width: int) -> int:
+    """KV blocks a decode graph gathers per row: the next power of two >= `need`, at most `max_width`."""
+    return min(1 << max(need - 1, 0).bit_length(), max_width)
+
+
+class StaticDecodeContext:
+    """`ForwardContext` tensors of decode steps at fixed addresses, for up to `max_rows` rows and block
+    tables of up to `max_width` blocks. Padding rows write their KV to slot 0 of `scratch_block` (a block
+    no sequence owns) and attend to that slot only (context length 1)."""
+
+    def __init__(self, max_rows: int, max_width: int, block_size: int, scratch_block: int,
+                 device: torch.device | str) -> None:
+        self.block_size, self.scratch = block_size, scratch_block
+        self.slot_mapping = torch.full((max_rows,), scratch_block * block_size, dtype=torch.long,
+                                       device=device)
+        self.context_lens = torch.ones(max_rows, dtype=torch.int32, device=device)
+        self.block_tables = torch.full((max_rows, max_width), scratch_block, dtype=torch.int32, device=device)
+        self.cu_seqlens_q = torch.arange(max_rows + 1, dtype=torch.int32, device=device)
+
+    def fill(self, num_computed: Sequence[int], tables: Sequence[Sequence[int]], rows: int,
+             width: int) -> None:
+        """Live row i appends one token after its `num_computed[i]` cached ones, through `tables[i]`;
+        rows len(tables)..rows-1 are padding. Tables are cut or padded (scratch) to `width` blocks."""
+        bs, pad, n = self.block_size, self.scratch, len(tables)
+        slots = [t[c // bs] * bs + c % bs for c, t in zip(num_computed, tables)]
+        slots += [pad * bs] * (rows - n)
+        lens = [c + 1 for c in num_computed] + [1] * (rows - n)
+        table_rows = [list(t[:width]) + [pad] * (width - len(t)) for t in tables]
+        table_rows += [[pad] * width] * (rows - n)
+        # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
+        self.slot_mapping[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.context_lens[:rows].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:rows, :width].copy_(torch.tensor(table_rows, dtype=torch.int32), non_blocking=True)
+
+    def context(self, rows: int, width: int) -> ForwardContext:
+        """The context of a `rows`-row step gathering `width` blocks per row (views of the static tensors)."""
+        return ForwardContext(
+            is_prefill=False, cu_seqlens_q=self.cu_seqlens_q[:rows + 1], max_seqlen_q=1,
+            max_seqlen_k=width * self.block_size, context_lens=self.context_lens[:rows],
+            slot_mapping=self.slot_mapping[:rows], block_tables=self.block_tables[:rows, :width],
+            block_size=self.block_size)
+
+
+class CUDAGraphs:
+    """One CUDA graph per key, captured from a function of static buffers; all share one memory pool.
+    Sharing is safe because the graphs replay one at a time on one stream and their outputs stay
+    allocated (a later capture reuses only memory that earlier ones freed, i.e. their intermediates)."""
+
+    def __init__(self) -> None:
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
+        self.pool: Any = None
+        self.stream: torch.cuda.Stream | None = None
+
+    def __contains__(self, key: Hashable) -> bool:
+        return key in self.graphs
+
+    def capture(self, key: Hashable, fn: Callable[[], Any]) -> None:
+        """Run `fn` once eagerly (warm-up), then capture it. `fn` must not sync with the host."""
+        start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
+        if self.pool is None:
+            self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        self.stream.wait_stream(torch.cuda.current_stream())
+        # NOTE: warm up outside the capture (lazy cuBLAS / kernel initialisation must not be captured).
+        with torch.cuda.stream(self.stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        graph = torch.cuda.CUDAGraph()
+        # NOTE: thread_local: the other stages keep running (and syncing) in their threads during a capture;
+        # an own capture stream, as talker replicas on one GPU may capture at the same time.
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
+            out = fn()
+        self.graphs[key] = (graph, out)
+        logger.info("captured CUDA graph %s in %.3f s; reserved memory +%.1f MiB", key,
+                    time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
+
+    def replay(self, key: Hashable) -> Any:
+        """Replay the graph of `key` on the current stream; returns its (static) outputs."""
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out

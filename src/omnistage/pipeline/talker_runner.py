@@ -1,0 +1,113 @@
+"""The talker's decode frame step on static buffers: one CUDA graph per (batch bucket, KV-width bucket)
+on CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
+
+The graph is all of `Talker.step` for one row per request: talker forward over the paged KV cache,
+codebook-0 sampling, the code predictor's passes with sampling, the next codec embedding. Padding rows
+(past the live ones) have zero input at position 0, are greedy with a fresh `seen`, and write KV only to
+the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path (the
+host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is still exactly its
+argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
+from omnistage.layers.context import forward_context
+from omnistage.layers.sampling import SamplingTensors
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("seeds", "top_k")  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos
+_PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
+
+
+@dataclass
+class FrameBatch:
+    """One talker step's requests in batch order: their input rows (flat [T, H]), rows per request,
+    rows already cached, block tables, sampling parameters, seeds, frame numbers, and `seen` [B, vocab]
+    (their generated codebook-0 codes; updated in place by the step)."""
+
+    inputs: torch.Tensor
+    lens: list[int]
+    num_computed: list[int]
+    tables: list[list[int]]
+    params: list[Any]
+    seeds: list[int]
+    frame_index: list[int]
+    seen: torch.Tensor
+
+
+class TalkerGraphRunner:
+    def __init__(self, talker: torch.nn.Module, batch_sizes: list[int], max_batch_size: int, max_width: int,
+                 block_size: int, scratch_block: int) -> None:
+        """Buckets `batch_sizes` (<= max_batch_size); block tables of up to `max_width` blocks; padding
+        rows write `scratch_block`. Captures CUDA graphs when the talker is on a CUDA device."""
+        p = next(talker.parameters())
+        dev = p.device
+        self.talker, self.batch_sizes = talker, sorted(batch_sizes)
+        self.max_width, self.block_size = max_width, block_size
+        rows, vocab = self.batch_sizes[-1], talker.codec_head.out_features
+        # NOTE: graphs hold the code predictor's cache by address: size it for the largest batch any step
+        # (graph or eager) runs, so `CodePredictor.predict` never reallocates it.
+        talker.code_predictor.allocate_cache(max(rows, max_batch_size))
+        self.inputs = torch.zeros(rows, talker.codec_head.in_features, dtype=p.dtype, device=dev)
+        self.ints = torch.zeros(2 + len(_INTS) + 1, rows, dtype=torch.long, device=dev)
+        self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
+        self.last_index = torch.arange(rows, device=dev)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
+        self.graphs = CUDAGraphs() if dev.type == "cuda" else None
+        self._empty = FrameBatch(self.inputs[:0], [], [], [], [], [], [], self.seen[:0])
+
+    def run(self, batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode step (one row per request) -> (frames [B, G], codec_embeds [B, H]) as `Talker.step`;
+        None when B exceeds the largest bucket (the caller runs the step eagerly)."""
+        n = len(batch.params)
+        b = batch_bucket(n, self.batch_sizes)
+        if b is None:
+            return None
+        w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width)
+        if self.graphs is None:
+            self._load(b, w, batch)
+            frames, codec_embeds = self._forward(b, w)
+        else:
+            if (b, w) not in self.graphs:
+                self._load(b, w, self._empty)  # warm-up and capture see padding rows only
+                self.graphs.capture((b, w), lambda: self._forward(b, w))
+            self._load(b, w, batch)
+            frames, codec_embeds = self.graphs.replay((b, w))
+        batch.seen.copy_(self.seen[:n])
+        # NOTE: copies: a graph's outputs are overwritten by its next replay, and frames go to code2wav.
+        return frames[:n].clone(), codec_embeds[:n].clone()
+
+    def _load(self, b: int, w: int, batch: FrameBatch) -> None:
+        """Copy the live rows into the static buffers, padding rows up to `b`."""
+        n, pad = len(batch.params), [0] * (b - len(batch.params))
+        self.context.fill(batch.num_computed, batch.tables, b, w)
+        st = SamplingTensors.build(batch.params + [_PADDING] * len(pad), batch.seeds + pad)
+
+        def col(values: list) -> torch.Tensor:
+            return torch.tensor(values + pad, dtype=torch.long)
+
+        ignore_eos = [p.ignore_eos for p in batch.params]
+        ints = [col(batch.num_computed), col(batch.frame_index), *(getattr(st, f) for f in _INTS),
+                col(ignore_eos)]
+        self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
+        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        self.inputs[:n].copy_(batch.inputs)
+        self.inputs[n:b].zero_()
+        self.seen[:n].copy_(batch.seen)
+        self.seen[n:b].zero_()
+
+    def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Talker.step` on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
+        st = SamplingTensors(**{f: self.floats[i, :b] for i, f in enumerate(_FLOATS)},
+                             **{f: self.ints[2 + i, :b] for i, f in enumerate(_INTS)},
+                             all_greedy=False, need_truncation=True)
+        with forward_context(self.context.context(b, w)):
+            return self.talker.step(self.inputs[:b], self.ints[0, :b], self.last_index[:b], st,
+                                    self.ints[1, :b], self.seen[:b], self.ints[4, :b] != 0)
