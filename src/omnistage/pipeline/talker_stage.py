@@ -5,12 +5,13 @@ then needs one text row per frame; it waits only when the thinker lags."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
@@ -18,6 +19,7 @@ from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
+from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 
 
 @dataclass
@@ -49,7 +51,11 @@ class TalkerSeq:
 class TalkerStage:
     def __init__(self, talker: torch.nn.Module, config: Any, to_code2wav: Callable[[FrameChunk], None],
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, cuda_graph: bool = False,
+                 graph_batch_sizes: Sequence[int] = ()) -> None:
+        """`cuda_graph`: decode-only steps go through `TalkerGraphRunner` (static buffers, batches padded to
+        `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
+        elsewhere); one KV block is then reserved for padding rows. Steps with a prefill run eagerly."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = next(talker.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -58,6 +64,12 @@ class TalkerStage:
         self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
+        self.runner: TalkerGraphRunner | None = None
+        if cuda_graph:
+            scratch = self.blocks.reserve()
+            sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
+            self.runner = TalkerGraphRunner(talker, sizes, max_batch_size, self.blocks.num_blocks, block_size,
+                                            scratch)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
@@ -133,26 +145,30 @@ class TalkerStage:
         if not batch:
             return False
         seqs = [s for s, _ in batch]
-        lens = [r.shape[0] for _, r in batch]
-        positions = torch.cat([torch.arange(s.num_computed, s.num_computed + n, device=self.device)
-                               for s, n in zip(seqs, lens)])
-        last = torch.tensor(lens, device=self.device).cumsum(0) - 1
-        ctx = build_context([s.num_computed for s in seqs], lens, [self.blocks.tables[s.req.request_id] for s in seqs],
-                            self.blocks.block_size, self.device)
-        params = [s.req.talker_sampling for s in seqs]
-        st = SamplingTensors.build(params, [s.req.seed + 1 for s in seqs], self.device)
-        seen = torch.stack([s.seen for s in seqs])
-        frame_index = torch.tensor([s.frames for s in seqs], device=self.device)
-        with forward_context(ctx):
-            ignore_eos = torch.tensor([p.ignore_eos for p in params], device=self.device)
-            frames, codec_embeds = self.talker.step(torch.cat([r for _, r in batch]), positions, last, st,
-                                                    frame_index, seen, ignore_eos)
+        fb = FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
+                        [s.num_computed for s in seqs], [self.blocks.tables[s.req.request_id] for s in seqs],
+                        [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
+                        [s.frames for s in seqs], torch.stack([s.seen for s in seqs]))
+        out = self.runner.run(fb) if self.runner is not None and max(fb.lens) == 1 else None
+        frames, codec_embeds = self._forward(fb) if out is None else out
         c0 = frames[:, 0].tolist()
-        for i, (seq, n) in enumerate(zip(seqs, lens)):
-            seq.seen.copy_(seen[i])
+        for i, (seq, n) in enumerate(zip(seqs, fb.lens)):
+            seq.seen.copy_(fb.seen[i])
             seq.num_computed += n
             self._advance(seq, frames[i], codec_embeds[i], c0[i])
         return True
+
+    def _forward(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step run eagerly on a flat batch (any mix of prefills and decodes)."""
+        positions = torch.cat([torch.arange(c, c + n, device=self.device)
+                               for c, n in zip(fb.num_computed, fb.lens)])
+        last = torch.tensor(fb.lens, device=self.device).cumsum(0) - 1
+        ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
+        st = SamplingTensors.build(fb.params, fb.seeds, self.device)
+        frame_index = torch.tensor(fb.frame_index, device=self.device)
+        ignore_eos = torch.tensor([p.ignore_eos for p in fb.params], device=self.device)
+        with forward_context(ctx):
+            return self.talker.step(fb.inputs, positions, last, st, frame_index, fb.seen, ignore_eos)
 
     def _advance(self, seq: TalkerSeq, frame: torch.Tensor, codec_embed: torch.Tensor, c0: int) -> None:
         tp = seq.req.talker_sampling
