@@ -8,8 +8,11 @@ Width buckets are powers of two, capped at the widest block table. The batched d
 most 2x the gather + SDPA work (and transient memory: rows x width x block_size x KV x D x 2 per layer)
 of the batch's longest context. A (batch, width) pair is captured on the first step that needs it, so
 only the pairs a workload reaches exist: at most ceil(log2(max width)) + 1 per batch bucket, in practice
-a handful (P prompt rows + F frames need widths up to ceil((P + F) / block_size)). Every capture is
-logged with its time and the growth of the reserved memory.
+a handful (P prompt rows + F frames need widths up to ceil((P + F) / block_size)). The first step of a
+new pair pays one eager warm-up step plus the capture and instantiation (for the talker's ~10k-kernel
+frame step, predicted 0.1-0.3 s at full size; not yet measured), and `torch.cuda.graph` synchronizes the
+device and empties the allocator's cache, stalling the other stages once. Every capture is logged with
+its time and the growth of the reserved memory.
 """
 
 from __future__ import annotations

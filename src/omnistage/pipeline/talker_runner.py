@@ -60,7 +60,7 @@ class TalkerGraphRunner:
         self.last_index = torch.arange(rows, device=dev)
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
         self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
-        self.graphs = CUDAGraphs() if dev.type == "cuda" else None
+        self.graphs: CUDAGraphs | None = CUDAGraphs() if dev.type == "cuda" else None
         self._empty = FrameBatch(self.inputs[:0], [], [], [], [], [], [], self.seen[:0])
 
     def run(self, batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -71,15 +71,11 @@ class TalkerGraphRunner:
         if b is None:
             return None
         w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width)
-        if self.graphs is None:
-            self._load(b, w, batch)
-            frames, codec_embeds = self._forward(b, w)
-        else:
-            if (b, w) not in self.graphs:
-                self._load(b, w, self._empty)  # warm-up and capture see padding rows only
-                self.graphs.capture((b, w), lambda: self._forward(b, w))
-            self._load(b, w, batch)
-            frames, codec_embeds = self.graphs.replay((b, w))
+        if self.graphs is not None and (b, w) not in self.graphs:
+            self._load(b, w, self._empty)  # warm-up and capture see padding rows only
+            self.graphs.capture((b, w), lambda: self._forward(b, w))
+        self._load(b, w, batch)
+        frames, codec_embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
         batch.seen.copy_(self.seen[:n])
         # NOTE: copies: a graph's outputs are overwritten by its next replay, and frames go to code2wav.
         return frames[:n].clone(), codec_embeds[:n].clone()
