@@ -38,6 +38,10 @@ def _num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.devic
     return max(8, budget // per_block)
 
 
+def _name(stage: str, replica: int, replicas: int) -> str:
+    return stage if replicas == 1 else f"{stage}{replica}"
+
+
 class Orchestrator:
     def __init__(self, model_dir: str | Path, *, deploy: DeployConfig | None = None, load_format: str = "auto",
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
@@ -74,13 +78,15 @@ class Orchestrator:
                     talker, self.config, self._to_code2wav, tts, max_batch_size=tk.max_batch_size,
                     num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size,
                     cuda_graph=tk.cuda_graph, graph_batch_sizes=tk.graph_batch_sizes()))
-                self.workers.append(StageWorker(f"talker{i}", self.talkers[-1], tk_dev, self._fail_all))
+                self.workers.append(StageWorker(_name("talker", i, tk.replicas), self.talkers[-1], tk_dev,
+                                                self._fail_all))
             for i in range(self.deploy.stages.code2wav.replicas):
                 cw, cw_dev, _, code2wav = place("code2wav", i)
                 self.code2wavs.append(Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
                                                     initial_chunk_frames=conn.initial_codec_chunk_frames,
                                                     chunk_frames=conn.codec_chunk_frames))
-                self.workers.append(StageWorker(f"code2wav{i}", self.code2wavs[-1], cw_dev, self._fail_all))
+                self.workers.append(StageWorker(_name("code2wav", i, cw.replicas), self.code2wavs[-1], cw_dev,
+                                                self._fail_all))
         self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
         self.requests: dict[str, Request] = {}
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
@@ -106,13 +112,21 @@ class Orchestrator:
             del self._held[chunk.request.request_id]
         else:
             held = [chunk]
-        talker = self.talkers[self.talker_router.pick(chunk.request.request_id)]
+        talker = self.talkers[self._pick(self.talker_router, chunk)]
         for c in held:
             talker.add(c)
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
         if not chunk.request.aborted:
-            self.code2wavs[self.code2wav_router.pick(chunk.request.request_id)].add(chunk)
+            self.code2wavs[self._pick(self.code2wav_router, chunk)].add(chunk)
+
+    @staticmethod
+    def _pick(router: Router, chunk: TextChunk | FrameChunk) -> int:
+        req = chunk.request
+        i = router.pick(req.request_id)
+        if req.aborted:  # NOTE: an abort between the caller's check and `pick` would leak the load
+            router.release(req.request_id)
+        return i
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
