@@ -11,7 +11,6 @@ import torch
 from conftest import hf_reference
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from omnistage.platform import current_platform
 from omnistage.config import default_deploy_config, load_deploy_config
 
 MESSAGES = [

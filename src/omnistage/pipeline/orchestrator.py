@@ -1,5 +1,5 @@
-"""Builds the stages from a checkpoint and a deploy config, each on its device, drives each from its
-own worker thread, moves requests through them, and fails requests loudly if a stage fails."""
+"""Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
+thread), routes them over replicas, and fails requests loudly if a stage fails."""
 
 from __future__ import annotations
 
@@ -11,35 +11,16 @@ from typing import Any
 
 import torch
 
-from omnistage.config import DeployConfig, StageConfig, default_deploy_config, load_deploy_config
+from omnistage.config import DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
-from omnistage.models.qwen3_omni.model import build_stage, load_config, resolve_dtype
+from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
-from omnistage.pipeline.code2wav_stage import Code2WavStage
 from omnistage.pipeline.connector import FrameChunk, TextChunk
+from omnistage.pipeline.placement import Placement, build_stages
 from omnistage.pipeline.router import Router
-from omnistage.pipeline.talker_stage import TalkerStage
-from omnistage.pipeline.thinker_stage import ThinkerStage
-from omnistage.pipeline.worker import StageWorker
-from omnistage.platform import current_platform
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
-
-
-def _num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    cfg = module.model.config
-    per_block = 2 * cfg.num_hidden_layers * stage.block_size * cfg.num_key_value_heads * cfg.head_dim
-    per_block *= torch.tensor([], dtype=dtype).element_size()
-    budget = stage.kv_cache_memory
-    if isinstance(budget, float):
-        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 8 << 30
-        budget = int(total * budget)
-    return max(8, budget // per_block)
-
-
-def _name(stage: str, replica: int, replicas: int) -> str:
-    return stage if replicas == 1 else f"{stage}{replica}"
 
 
 class Orchestrator:
@@ -51,42 +32,9 @@ class Orchestrator:
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         self.processor = PromptProcessor(model_dir)
-        platform = current_platform()
-
-        def place(name: str, index: int = 0) -> tuple[StageConfig, torch.device, torch.dtype, torch.nn.Module]:
-            sc = self.deploy.stage(name)
-            dev = torch.device(device) if device is not None else platform.device(sc.replica_devices[index])
-            dt = resolve_dtype(dtype or sc.dtype, dev)
-            module = build_stage(self.config, name, model_dir=model_dir, load_format=load_format, device=dev,
-                                 dtype=dt, seed=seed)
-            return sc, dev, dt, module
-
-        th, th_dev, th_dt, thinker = place("thinker")
-        self.thinker = ThinkerStage(thinker, self.config, self.processor.tokenizer, self._to_talker,
-                                    max_batch_size=th.max_batch_size, max_num_batched_tokens=th.max_num_batched_tokens,
-                                    num_blocks=_num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size)
-        self.workers = [StageWorker("thinker", self.thinker, th_dev, self._fail_all)]
-        self.talkers: list[TalkerStage] = []
-        self.code2wavs: list[Code2WavStage] = []
-        if self.config.enable_audio_output:
-            ids = [self.config.tts_bos_token_id, self.config.tts_eos_token_id, self.config.tts_pad_token_id]
-            tts = thinker.model.embed_tokens(torch.tensor(ids, device=th_dev))
-            conn = self.deploy.connector
-            for i in range(self.deploy.stages.talker.replicas):
-                tk, tk_dev, tk_dt, talker = place("talker", i)
-                self.talkers.append(TalkerStage(
-                    talker, self.config, self._to_code2wav, tts, max_batch_size=tk.max_batch_size,
-                    num_blocks=_num_blocks(tk, talker, tk_dev, tk_dt), block_size=tk.block_size,
-                    cuda_graph=tk.cuda_graph, graph_batch_sizes=tk.graph_batch_sizes()))
-                self.workers.append(StageWorker(_name("talker", i, tk.replicas), self.talkers[-1], tk_dev,
-                                                self._fail_all))
-            for i in range(self.deploy.stages.code2wav.replicas):
-                cw, cw_dev, _, code2wav = place("code2wav", i)
-                self.code2wavs.append(Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
-                                                    initial_chunk_frames=conn.initial_codec_chunk_frames,
-                                                    chunk_frames=conn.codec_chunk_frames))
-                self.workers.append(StageWorker(_name("code2wav", i, cw.replicas), self.code2wavs[-1], cw_dev,
-                                                self._fail_all))
+        placement = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
+        self.thinker, self.talkers, self.code2wavs, self.workers = build_stages(
+            placement, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._fail_all)
         self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
         self.requests: dict[str, Request] = {}
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off

@@ -9,7 +9,6 @@ written under the real checkpoint's names (`checkpoint_names`), fp32.
 from __future__ import annotations
 
 import argparse
-import copy
 import hashlib
 import json
 import os
