@@ -17,7 +17,7 @@ from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors
-from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds
+from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds, text_rows
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 
@@ -34,18 +34,16 @@ class TalkerSeq:
     num_computed: int = 0
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
 
-    def next_input(self, talker: torch.nn.Module) -> torch.Tensor | None:
-        """Rows to feed this step: the prompt, or last frame's codec embedding + the next text row
-        (transformers' trailing_text_hidden[t]: g_{t+1}, then tts_eos once, then tts_pad); None = wait."""
-        if self.num_computed == 0:
-            return self.prompt_rows
+    def next_text(self) -> tuple[torch.Tensor | None, bool] | None:
+        """The text side of the input after the last frame, as `text_rows` takes it (transformers'
+        trailing_text_hidden[t]): (embedding of g_{t+1}, False) once g_{t+2} exists, then (None, True)
+        once for tts_eos, then (None, False) for tts_pad; None = wait for the thinker."""
         t = self.frames - 1
         if self.num_texts >= t + 3:
-            return (self.codec_embed + next_text_row(talker, self.texts.popleft()))[None]
+            return self.texts.popleft(), False
         if not self.thinker_done:
             return None
-        final = t == max(self.num_texts - 2, 0)
-        return (self.codec_embed + next_text_row(talker, None, final=final))[None]
+        return None, t == max(self.num_texts - 2, 0)
 
 
 class TalkerStage:
@@ -129,13 +127,18 @@ class TalkerStage:
                 break
             self.blocks.allocate(seq.req.request_id, need)
             self.waiting.popleft()
-        batch = []
+        batch, decodes = [], []
         for seq in self.seqs.values():
-            if seq in self.waiting or len(batch) >= self.max_batch_size:
+            if seq in self.waiting or len(batch) + len(decodes) >= self.max_batch_size:
                 continue
-            rows = seq.next_input(self.talker)
-            if rows is not None:
-                batch.append((seq, rows))
+            if seq.num_computed == 0:
+                batch.append((seq, seq.prompt_rows))
+            elif (text := seq.next_text()) is not None:
+                decodes.append((seq, text))
+        if decodes:
+            embeds, finals = zip(*(t for _, t in decodes))
+            rows = torch.stack([s.codec_embed for s, _ in decodes]) + text_rows(self.talker, embeds, finals)
+            batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
 
     @torch.no_grad()

@@ -110,8 +110,17 @@ def next_text_row(talker: nn.Module, thinker_embed: torch.Tensor | None, final: 
     """The talker row [H] for one generated thinker token (its thinker input embedding [Ht]): the
     thinker's final token (`final`, embedding not needed) is never spoken and becomes `tts_eos`; no token
     at all (the text is done) is `tts_pad`."""
-    if final:
-        return talker.tts_embeds[1]
-    if thinker_embed is None:
-        return talker.tts_embeds[2]
-    return talker.text_projection(thinker_embed[None])[0]
+    return text_rows(talker, [thinker_embed], [final])[0]
+
+
+def text_rows(talker: nn.Module, thinker_embeds: list[torch.Tensor | None], finals: list[bool]) -> torch.Tensor:
+    """`next_text_row` for many requests at once [N, H], with one projection for all their tokens."""
+    bos_eos_pad = talker.tts_embeds
+    rows = bos_eos_pad[2].expand(len(finals), -1).clone()
+    eos = [i for i, f in enumerate(finals) if f]
+    if eos:
+        rows[eos] = bos_eos_pad[1]
+    text = [i for i, (e, f) in enumerate(zip(thinker_embeds, finals)) if e is not None and not f]
+    if text:
+        rows[text] = talker.text_projection(torch.stack([thinker_embeds[i] for i in text])).to(rows.dtype)
+    return rows
