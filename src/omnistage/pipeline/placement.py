@@ -63,7 +63,8 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
     th, th_dev, th_dt, thinker = p.build("thinker")
     thinker_stage = ThinkerStage(thinker, p.config, tokenizer, to_talker, max_batch_size=th.max_batch_size,
                                  max_num_batched_tokens=th.max_num_batched_tokens,
-                                 num_blocks=num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size)
+                                 num_blocks=num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size,
+                                 cuda_graph=th.cuda_graph, graph_batch_sizes=th.graph_batch_sizes())
     workers = [StageWorker("thinker", thinker_stage, th_dev, on_error)]
     talkers: list[TalkerStage] = []
     code2wavs: list[Code2WavStage] = []

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
@@ -17,6 +18,7 @@ from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors, record_tokens, sample
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
+from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
 
 
 @dataclass
@@ -46,13 +48,20 @@ class ThinkerSeq:
 class ThinkerStage:
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
-                 block_size: int = 16) -> None:
+                 block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = ()) -> None:
+        """`cuda_graph`: decode-only steps go through `ThinkerGraphRunner` (as the talker stage's runner);
+        one KV block is then reserved for padding rows. Steps with a prefill run eagerly."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
+        self.runner: ThinkerGraphRunner | None = None
+        if cuda_graph:
+            scratch = self.blocks.reserve()
+            sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
+            self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch)
         self.vocab = thinker.lm_head.out_features
         self.accept_layer = config.talker_config.accept_hidden_layer
         self.eos_ids = {config.im_end_token_id}
@@ -130,6 +139,14 @@ class ThinkerStage:
         self.last_batch = len(batch)
         if not batch:
             return False
+        if self.runner is not None and not any(s.in_prefill for s, _ in batch):
+            seqs = [s for s, _ in batch]
+            out = self.runner.run(seqs, [self.blocks.tables[s.req.request_id] for s in seqs])
+            if out is not None:
+                for seq in seqs:
+                    seq.num_computed += 1
+                self._emit(seqs, *out)
+                return True
         # NOTE: `_schedule` puts decodes first: their rows are one embedding lookup, then prefill slices.
         decode_ids = [s.output_ids[-1] for s, _ in batch if not s.in_prefill]
         rows = [self.thinker.model.embed_tokens(torch.tensor(decode_ids, device=self.device))] if decode_ids else []
@@ -163,6 +180,9 @@ class ThinkerStage:
         steps = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
         tokens = sample(logits, st, steps, seen=seen, counts=counts)
         embeds = self.thinker.model.embed_tokens(tokens) if any(s.req.want_audio for s in seqs) else None
+        self._emit(seqs, tokens, embeds)
+
+    def _emit(self, seqs: list[ThinkerSeq], tokens: torch.Tensor, embeds: torch.Tensor | None) -> None:
         # NOTE: the one host sync of the step; it also makes `embeds` ready for the talker's stream.
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
             self._append(seq, token, tokens[i:i + 1], None if embeds is None else embeds[i])

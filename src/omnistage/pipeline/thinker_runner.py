@@ -1,0 +1,93 @@
+"""The thinker's decode step on static buffers: one CUDA graph per (batch bucket, KV-width bucket) on
+CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
+
+The graph is token ids -> embeddings -> thinker forward over the paged KV cache -> logits -> sampling
+-> the sampled tokens' embeddings (which the stage sends to the talker). Penalties read static `seen`
+[B, V] and `counts` [B, V] (zero for rows without them: a no-op). Padding rows (past the live ones) feed
+token 0 at position 0, are greedy, and write KV only to the scratch block
+(`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path, as in
+`pipeline.talker_runner`: a greedy row is still its argmax, neutral truncation removes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
+from omnistage.layers.context import forward_context
+from omnistage.layers.sampling import SamplingTensors, sample
+
+if TYPE_CHECKING:
+    from omnistage.pipeline.thinker_stage import ThinkerSeq
+
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps
+_PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
+
+
+class ThinkerGraphRunner:
+    def __init__(self, thinker: torch.nn.Module, batch_sizes: list[int], max_width: int, block_size: int,
+                 scratch_block: int) -> None:
+        """Buckets `batch_sizes`; block tables of up to `max_width` blocks; padding rows write
+        `scratch_block`. Captures CUDA graphs when the thinker is on a CUDA device."""
+        dev = next(thinker.parameters()).device
+        self.thinker, self.batch_sizes = thinker, sorted(batch_sizes)
+        self.max_width, self.block_size = max_width, block_size
+        rows, vocab = self.batch_sizes[-1], thinker.lm_head.out_features
+        self.ints = torch.zeros(3 + len(_INTS), rows, dtype=torch.long, device=dev)
+        self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
+        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
+        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=dev)
+        self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
+        self.graphs: CUDAGraphs | None = CUDAGraphs() if dev.type == "cuda" else None
+
+    def run(self, seqs: list[ThinkerSeq], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode step of `seqs` (each feeds its last output token) -> (tokens [B], their embeddings
+        [B, H]); None when B exceeds the largest bucket (the caller runs the step eagerly)."""
+        n = len(seqs)
+        b = batch_bucket(n, self.batch_sizes)
+        if b is None:
+            return None
+        w = width_bucket(-(-(max(s.num_computed for s in seqs) + 1) // self.block_size), self.max_width)
+        if self.graphs is not None and (b, w) not in self.graphs:
+            self._load(b, w, [], [])  # warm-up and capture see padding rows only
+            self.graphs.capture((b, w), lambda: self._forward(b, w))
+        self._load(b, w, seqs, tables)
+        tokens, embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
+        # NOTE: copies: a graph's outputs are overwritten by its next replay, and embeds go to the talker.
+        return tokens[:n].clone(), embeds[:n].clone()
+
+    def _load(self, b: int, w: int, seqs: list[ThinkerSeq], tables: list[list[int]]) -> None:
+        """Copy the live rows into the static buffers, padding rows up to `b`."""
+        n, pad = len(seqs), [0] * (b - len(seqs))
+        computed = [s.num_computed for s in seqs]
+        self.context.fill(computed, tables, b, w)
+        st = SamplingTensors.build([s.req.sampling for s in seqs] + [_PADDING] * len(pad),
+                                   [s.req.seed for s in seqs] + pad)
+
+        def col(values: list[int]) -> torch.Tensor:
+            return torch.tensor(values + pad, dtype=torch.long)
+
+        ints = [col([s.output_ids[-1] for s in seqs]), col(computed), col([len(s.output_ids) for s in seqs]),
+                *(getattr(st, f) for f in _INTS)]
+        self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
+        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        for buf, rows in ((self.seen, [s.seen for s in seqs]), (self.counts, [s.counts for s in seqs])):
+            buf[:b].zero_()
+            for i, row in enumerate(rows):
+                if row is not None:
+                    buf[i].copy_(row)
+
+    def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode step on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
+        st = SamplingTensors(**{f: self.floats[i, :b] for i, f in enumerate(_FLOATS)},
+                             **{f: self.ints[3 + i, :b] for i, f in enumerate(_INTS)},
+                             all_greedy=False, need_truncation=True)
+        model = self.thinker.model
+        with forward_context(self.context.context(b, w)):
+            hidden, _ = model(model.embed_tokens(self.ints[0, :b]), self.ints[1, :b])
+        logits = self.thinker.compute_logits(hidden)
+        tokens = sample(logits, st, self.ints[2, :b], seen=self.seen[:b], counts=self.counts[:b])
+        return tokens, model.embed_tokens(tokens)
