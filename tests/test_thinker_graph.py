@@ -101,15 +101,22 @@ def test_seeded_sampling_equals_the_eager_engine() -> None:
             "ignore_eos": True}
     sampling = [{**base, "max_tokens": 8, "seed": 1}, {"temperature": 0, "max_tokens": 12, "ignore_eos": True},
                 {**base, "max_tokens": 14, "seed": 2}, {**base, "max_tokens": 6, "seed": 3, "top_p": 1.0},
-                {**base, "max_tokens": 10, "seed": 4, "repetition_penalty": 1.0}]
-    eager = chat(omni(False), 5, sampling, audio=False)
+                {**base, "max_tokens": 10, "seed": 4, "repetition_penalty": 1.0},
+                # NOTE: the random tiny model never picks a seen token by itself: only penalties that favour
+                # seen tokens (prompt ones through `seen`, output ones through `counts`) change its tokens
+                {"temperature": 0, "max_tokens": 9, "repetition_penalty": 0.5, "ignore_eos": True},
+                {**base, "max_tokens": 11, "seed": 5, "repetition_penalty": 1.0, "frequency_penalty": -8.0}]
+    eager = chat(omni(False), 7, sampling, audio=False)
     with spy(omni(True)) as steps:
-        ran = chat(omni(True), 5, sampling, audio=False)
+        ran = chat(omni(True), 7, sampling, audio=False)
     assert len(steps) >= 8
     for a, b in zip(ran, eager):
         assert a.token_ids == b.token_ids
-    greedy = chat(omni(False), 5, [{**s, "temperature": 0} for s in sampling], audio=False)
+    greedy = chat(omni(False), 7, [{**s, "temperature": 0} for s in sampling], audio=False)
     assert ran[0].token_ids != greedy[0].token_ids and ran[2].token_ids != greedy[2].token_ids  # they sampled
+    plain = chat(omni(False), 7, [{**s, "repetition_penalty": 1.0, "frequency_penalty": 0.0} for s in sampling],
+                 audio=False)
+    assert ran[5].token_ids != plain[5].token_ids and ran[6].token_ids != plain[6].token_ids  # penalties bit
 
 
 def test_aborts_free_everything() -> None:
