@@ -16,6 +16,7 @@ import torch
 from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from test_talker_graph import EmulatedGraphs
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -141,3 +142,17 @@ def test_aborts_free_everything() -> None:
     sampling = [{"temperature": 0, "max_tokens": 11, "ignore_eos": True}] * 2
     again, eager = chat(o, 2, sampling, audio=False), chat(omni(False), 2, sampling, audio=False)
     assert [a.token_ids for a in again] == [b.token_ids for b in eager]
+
+
+def test_capture_protocol_with_emulated_graphs() -> None:
+    # what the static buffers hold at warm-up, capture (padding rows only) and replay, as on CUDA
+    sampling = [{"temperature": 0, "max_tokens": m, "ignore_eos": True} for m in (4, 9, 6)]
+    runner = omni(True).engine.thinker.runner
+    runner.graphs = EmulatedGraphs()
+    try:
+        ran = chat(omni(True), 3, sampling, audio=False)
+        keys = set(runner.graphs.fns)
+    finally:
+        runner.graphs = None
+    assert [a.token_ids for a in ran] == [b.token_ids for b in chat(omni(False), 3, sampling, audio=False)]
+    assert len(keys) >= 3 and {b for b, _ in keys} == {1, 2, 4}
