@@ -206,3 +206,13 @@ def test_async_chunk_off_starts_the_talker_after_the_thinker() -> None:
     b = on.chat(conv(1), **greedy(9, 14))
     assert seen_text_done and all(seen_text_done)
     assert a.token_ids == b.token_ids and np.array_equal(a.codes, b.codes)
+
+
+def test_text_continues_after_the_audio_ends() -> None:
+    """The talker may stop (max_frames, EOS) before the thinker: the stream ends only when both are done."""
+    o = omni()
+    text_only = o.chat(conv(1), modalities=["text"], sampling={"temperature": 0, "max_tokens": 14})
+    both = o.chat(conv(1), sampling={"temperature": 0, "max_tokens": 14},
+                  talker_sampling={"temperature": 0, "max_frames": 2})
+    assert both.token_ids == text_only.token_ids and both.finish_reason == "length"
+    assert both.codes.shape == (16, 2) and both.usage.completion_tokens == 14 and both.usage.audio_frames == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -23,8 +24,17 @@ class Request:
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
     aborted: bool = False
+    _parts_left: int = field(default=0, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
-    def finish(self) -> None:
-        """The last item of the stream (after every stage the request uses is done)."""
-        self.emit(OutputDelta(self.request_id, finished=True, finish_reason=self.finish_reason or "stop",
-                              usage=self.usage))
+    def __post_init__(self) -> None:
+        self._parts_left = 2 if self.want_audio else 1  # the text, and the audio when asked
+
+    def part_done(self) -> None:
+        """The text (thinker) or the audio (code2wav) is complete; the stream ends after the last part."""
+        with self._lock:
+            self._parts_left -= 1
+            last = self._parts_left == 0
+        if last:
+            self.emit(OutputDelta(self.request_id, finished=True, finish_reason=self.finish_reason or "stop",
+                                  usage=self.usage))

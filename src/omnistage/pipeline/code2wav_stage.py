@@ -83,5 +83,5 @@ class Code2WavStage:
         for rid in finished:
             req = self.seqs[rid][0].request
             self.abort(rid)
-            req.finish()
+            req.part_done()
         return bool(ready or finished)

@@ -225,8 +225,7 @@ class ThinkerStage:
         self._release(seq)
         if req.want_audio:
             self.to_talker(TextChunk(req, finished=True))
-        else:
-            req.finish()
+        req.part_done()
 
     def _release(self, seq: ThinkerSeq) -> None:
         self.blocks.release(seq.req.request_id)
