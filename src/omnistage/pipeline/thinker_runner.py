@@ -11,16 +11,12 @@ token 0 at position 0, are greedy, and write KV only to the scratch block
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.layers.context import forward_context
 from omnistage.layers.sampling import SamplingTensors, sample
-
-if TYPE_CHECKING:
-    from omnistage.pipeline.thinker_stage import ThinkerSeq
+from omnistage.pipeline.thinker_seq import ThinkerSeq
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
 _INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps
@@ -61,7 +57,7 @@ class ThinkerGraphRunner:
 
     def _load(self, b: int, w: int, seqs: list[ThinkerSeq], tables: list[list[int]]) -> None:
         """Copy the live rows into the static buffers, padding rows up to `b`."""
-        n, pad = len(seqs), [0] * (b - len(seqs))
+        pad = [0] * (b - len(seqs))
         computed = [s.num_computed for s in seqs]
         self.context.fill(computed, tables, b, w)
         st = SamplingTensors.build([s.req.sampling for s in seqs] + [_PADDING] * len(pad),

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -15,34 +14,11 @@ from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
-from omnistage.layers.sampling import SamplingTensors, record_tokens, sample
+from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
-
-
-@dataclass
-class ThinkerSeq:
-    req: Request
-    prompt_ids: torch.Tensor  # [L]
-    embeds: torch.Tensor  # [L, H]
-    mm_mask: torch.Tensor  # [L] bool
-    detok: IncrementalDetokenizer
-    seen: torch.Tensor | None  # [V] bool, prompt + output (repetition penalty)
-    counts: torch.Tensor | None  # [V] int, output only (presence / frequency penalties)
-    has_mm: bool = False  # the prompt has multimodal placeholders (the talker needs their hidden rows)
-    num_computed: int = 0
-    emitted: int = 0  # characters of detok.text already streamed
-    output_ids: list[int] = field(default_factory=list)
-    mm_hidden: list[torch.Tensor] = field(default_factory=list)
-
-    @property
-    def prompt_len(self) -> int:
-        return self.prompt_ids.shape[0]
-
-    @property
-    def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+from omnistage.pipeline.thinker_seq import ThinkerSeq
 
 
 class ThinkerStage:
@@ -194,19 +170,8 @@ class ThinkerStage:
         return torch.stack([zero if r is None else r for r in rows])
 
     def _append(self, seq: ThinkerSeq, token: int, t: torch.Tensor, embed: torch.Tensor | None) -> None:
-        seq.output_ids.append(token)
-        record_tokens(t, None if seq.seen is None else seq.seen[None], None if seq.counts is None else seq.counts[None])
-        req, sp = seq.req, seq.req.sampling
-        seq.detok.step(token)
-        full = seq.detok.text
-        # NOTE: a stop string can only start in the held-back tail, so the search cost does not grow.
-        stop_at = min((i for i in (full.find(s, seq.emitted) for s in sp.stop) if i >= 0), default=-1)
-        stopped = stop_at >= 0 or token in sp.stop_token_ids or (token in self.eos_ids and not sp.ignore_eos)
-        done = stopped or len(seq.output_ids) >= sp.max_tokens
-        hold = max(map(len, sp.stop), default=1) - 1
-        end = stop_at if stop_at >= 0 else len(full) if done else len(full) - hold
-        text = full[seq.emitted:end] if end > seq.emitted else ""
-        seq.emitted = max(seq.emitted, end)
+        text, stopped, done = seq.append(token, t, self.eos_ids)
+        req = seq.req
         if req.want_audio:
             prompt = None
             if len(seq.output_ids) == 1:
