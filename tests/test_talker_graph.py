@@ -3,7 +3,6 @@ against the eager engine, on the CPU: same codes and audio, padding rows confine
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import threading
@@ -20,6 +19,9 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.layers.attention import paged_decode_attention
 from omnistage.layers.context import build_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+import graph_helpers
+from graph_helpers import EmulatedGraphs
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -39,57 +41,14 @@ def omni(graph: bool) -> Omni:
     return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker)), device="cpu")
 
 
-def kv(o: Omni) -> torch.Tensor:
-    attn = [layer.self_attn.attn for layer in o.engine.talkers[0].talker.model.layers]
-    return torch.stack([torch.stack([a.k_cache, a.v_cache]) for a in attn])  # [L, 2, blocks, block, KV, D]
-
-
-@contextlib.contextmanager
 def spy(o: Omni):
-    """Records (live rows, batch bucket, width bucket) of every runner step, and checks that each forward
-    (warm-up, capture, step) changed no KV slot but the live rows' own and slot 0 of the scratch block."""
-    runner, steps, live = o.engine.talkers[0].runner, [], {}
-    run, forward = runner.run, runner._forward
-    scratch = runner.context.scratch * BLOCK
-
-    def spy_run(batch):
-        live["slots"] = {t[c // BLOCK] * BLOCK + c % BLOCK for t, c in zip(batch.tables, batch.num_computed)}
-        out = run(batch)
-        steps.append((len(batch.tables), *live["bucket"]))
-        return out
-
-    def spy_forward(b, w):
-        before = kv(o).clone()
-        out = forward(b, w)
-        slots = (kv(o) != before).flatten(4).any(-1).flatten(0, 1).any(0).flatten()  # [blocks * block]
-        changed = set(slots.nonzero()[:, 0].tolist())
-        assert changed <= live["slots"] | {scratch}, f"wrote slots {changed - live['slots']}"
-        live["bucket"] = (b, w)
-        return out
-
-    runner.run, runner._forward = spy_run, spy_forward
-    try:
-        yield steps
-    finally:
-        del runner.run, runner._forward
+    runner = o.engine.talkers[0].runner
+    return graph_helpers.spy(runner, o.engine.talkers[0].talker.model, BLOCK, lambda batch: {
+        t[c // BLOCK] * BLOCK + c % BLOCK for t, c in zip(batch.tables, batch.num_computed)})
 
 
-class EmulatedGraphs:
-    """`CUDAGraphs` on the CPU (`capture` warms up and keeps `fn`, `replay` runs it): tests the runner's
-    capture protocol, i.e. what the static buffers hold at warm-up, capture and replay."""
-
-    def __init__(self) -> None:
-        self.fns: dict = {}
-
-    def __contains__(self, key) -> bool:
-        return key in self.fns
-
-    def capture(self, key, fn) -> None:
-        fn()
-        self.fns[key] = fn
-
-    def replay(self, key):
-        return self.fns[key]()
+def kv(o: Omni) -> torch.Tensor:
+    return graph_helpers.kv(o.engine.talkers[0].talker.model)
 
 
 def chat(o: Omni, n: int, talker_sampling: list[dict], seeds: list[int] | None = None):

@@ -3,7 +3,6 @@ against the eager engine, on the CPU: same tokens, codes and audio, padding rows
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import random
 import threading
@@ -16,7 +15,8 @@ import torch
 from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from test_talker_graph import EmulatedGraphs
+import graph_helpers
+from graph_helpers import EmulatedGraphs
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -35,39 +35,13 @@ def omni(graph: bool) -> Omni:
     return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, thinker=thinker)), device="cpu")
 
 
-def kv(o: Omni) -> torch.Tensor:
-    attn = [layer.self_attn.attn for layer in o.engine.thinker.thinker.model.layers]
-    return torch.stack([torch.stack([a.k_cache, a.v_cache]) for a in attn])  # [L, 2, blocks, block, KV, D]
-
-
-@contextlib.contextmanager
 def spy(o: Omni):
-    """Records (live rows, batch bucket, width bucket) of every runner step, and checks that each forward
-    changed no KV slot but the live rows' own and slot 0 of the scratch block."""
-    runner, steps, live = o.engine.thinker.runner, [], {}
-    run, forward = runner.run, runner._forward
-    scratch = runner.context.scratch * BLOCK
+    return graph_helpers.spy(o.engine.thinker.runner, o.engine.thinker.thinker.model, BLOCK, lambda seqs, tables: {
+        t[s.num_computed // BLOCK] * BLOCK + s.num_computed % BLOCK for s, t in zip(seqs, tables)})
 
-    def spy_run(seqs, tables):
-        live["slots"] = {t[s.num_computed // BLOCK] * BLOCK + s.num_computed % BLOCK for s, t in zip(seqs, tables)}
-        out = run(seqs, tables)
-        steps.append((len(seqs), *live["bucket"]))
-        return out
 
-    def spy_forward(b, w):
-        before = kv(o).clone()
-        out = forward(b, w)
-        slots = (kv(o) != before).flatten(4).any(-1).flatten(0, 1).any(0).flatten()  # [blocks * block]
-        changed = set(slots.nonzero()[:, 0].tolist())
-        assert changed <= live["slots"] | {scratch}, f"wrote slots {changed - live['slots']}"
-        live["bucket"] = (b, w)
-        return out
-
-    runner.run, runner._forward = spy_run, spy_forward
-    try:
-        yield steps
-    finally:
-        del runner.run, runner._forward
+def kv(o: Omni) -> torch.Tensor:
+    return graph_helpers.kv(o.engine.thinker.thinker.model)
 
 
 def chat(o: Omni, n: int, sampling: list[dict], audio: bool = True):

@@ -1,0 +1,63 @@
+"""Shared by the decode-runner tests: KV snapshots, a spy that checks every runner forward writes only
+the live rows' slots and the scratch slot, and CUDA-graph capture emulated on the CPU."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+
+import torch
+
+
+def kv(model: torch.nn.Module) -> torch.Tensor:
+    """Every layer's paged K and V of a decoder `model` (its `.layers`) [L, 2, blocks, block, KV, D]."""
+    attn = [layer.self_attn.attn for layer in model.layers]
+    return torch.stack([torch.stack([a.k_cache, a.v_cache]) for a in attn])
+
+
+@contextlib.contextmanager
+def spy(runner, model: torch.nn.Module, block: int, live_slots: Callable[..., set[int]]) -> Iterator[list]:
+    """Records (live rows, batch bucket, width bucket) of every `runner.run(*args)`, and checks that each
+    forward (warm-up, capture, step) changed no KV slot but `live_slots(*args)` and the scratch slot."""
+    steps, live = [], {}
+    run, forward = runner.run, runner._forward
+    scratch = runner.context.scratch * block
+
+    def spy_run(*args):
+        live["slots"] = live_slots(*args)
+        out = run(*args)
+        steps.append((len(live["slots"]), *live["bucket"]))  # one new slot per live row
+        return out
+
+    def spy_forward(b, w):
+        before = kv(model).clone()
+        out = forward(b, w)
+        slots = (kv(model) != before).flatten(4).any(-1).flatten(0, 1).any(0).flatten()  # [blocks * block]
+        changed = set(slots.nonzero()[:, 0].tolist())
+        assert changed <= live["slots"] | {scratch}, f"wrote slots {changed - live['slots']}"
+        live["bucket"] = (b, w)
+        return out
+
+    runner.run, runner._forward = spy_run, spy_forward
+    try:
+        yield steps
+    finally:
+        del runner.run, runner._forward
+
+
+class EmulatedGraphs:
+    """`CUDAGraphs` on the CPU (`capture` warms up and keeps `fn`, `replay` runs it): tests the runner's
+    capture protocol, i.e. what the static buffers hold at warm-up, capture and replay."""
+
+    def __init__(self) -> None:
+        self.fns: dict = {}
+
+    def __contains__(self, key) -> bool:
+        return key in self.fns
+
+    def capture(self, key, fn) -> None:
+        fn()
+        self.fns[key] = fn
+
+    def replay(self, key):
+        return self.fns[key]()
