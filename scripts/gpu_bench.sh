@@ -14,7 +14,8 @@
 #   BENCH_HF_BATCHES=1,2 BENCH_HF_RESERVE=40 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 BENCH_PYTHON=.venv/bin/python \
 #   OUT=/tmp/bench scripts/gpu_bench.sh
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
-# BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl).
+# BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl),
+# BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
@@ -50,6 +51,11 @@ echo "[$((SECONDS - T0)) s] python ready"
 
 MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
 "$PY" scripts/bench_model_dir.py "$MODEL" ${BENCH_PRESET:+--preset "$BENCH_PRESET"} || exit 1
+if [[ -n ${BENCH_CHECK:-} ]]; then  # runner checks and step timings first (scripts/gpu_check.py), in their own process
+  timeout "${BENCH_CHECK_TIMEOUT:-240}" "$PY" scripts/gpu_check.py "$MODEL" --out "$OUT/check.json" \
+    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} > "$OUT/check.log" 2>&1
+  echo "[$((SECONDS - T0)) s] gpu_check rc=$?"; tail -3 "$OUT/check.log"
+fi
 PORT=${BENCH_PORT:-8091}
 URL=http://127.0.0.1:$PORT
 COMMON=(--workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}" --output-dir "$OUT"
