@@ -10,6 +10,7 @@ import torch
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive
+from omnistage.pipeline.faults import StepFaults
 
 
 @dataclass
@@ -28,6 +29,7 @@ class Code2WavStage:
         self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
         self.max_batch_size = max_batch_size
         self.last_batch = 0
+        self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
         self.device = next(code2wav.parameters()).device
 
     def add(self, chunk: FrameChunk) -> None:
@@ -71,6 +73,7 @@ class Code2WavStage:
                  if seq.pending and (len(seq.pending) >= self._target(seq) or seq.done)]
         finished = [rid for rid, (_, seq) in self.seqs.items() if seq.done and not seq.pending]
         self.last_batch = len(ready)
+        self.step_requests = [self.seqs[rid][0].request for rid, _ in ready]
         if ready:
             items = []
             for _, seq in ready:

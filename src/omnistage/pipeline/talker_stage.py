@@ -19,6 +19,7 @@ from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds, text_rows
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
+from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 
 
@@ -72,6 +73,7 @@ class TalkerStage:
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
         self.last_batch = 0
+        self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
@@ -98,7 +100,7 @@ class TalkerStage:
             if chunk.embed is not None:
                 chunk.embed = arrive(chunk.embed, self.device)
             if chunk.prompt is not None:
-                self._admit(chunk)
+                self.faults.run(chunk.request, self._admit, chunk)
             elif rid in self.seqs:
                 seq = self.seqs[rid]
                 if chunk.finished:
@@ -135,6 +137,7 @@ class TalkerStage:
                 batch.append((seq, seq.prompt_rows))
             elif (text := seq.next_text()) is not None:
                 decodes.append((seq, text))
+        self.step_requests = [s.req for s, _ in batch] + [s.req for s, _ in decodes]
         if decodes:
             embeds, finals = zip(*(t for _, t in decodes))
             rows = torch.stack([s.codec_embed for s, _ in decodes]) + text_rows(self.talker, embeds, finals)
@@ -158,7 +161,7 @@ class TalkerStage:
         for i, (seq, n) in enumerate(zip(seqs, fb.lens)):
             seq.seen.copy_(fb.seen[i])
             seq.num_computed += n
-            self._advance(seq, frames[i], codec_embeds[i], c0[i])
+            self.faults.run(seq.req, self._advance, seq, frames[i], codec_embeds[i], c0[i])
         return True
 
     def _forward(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:

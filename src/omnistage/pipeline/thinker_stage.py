@@ -17,6 +17,7 @@ from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
+from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker_seq import ThinkerSeq
 
@@ -45,6 +46,7 @@ class ThinkerStage:
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
         self.last_batch = 0
+        self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
@@ -87,8 +89,8 @@ class ThinkerStage:
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
         for req in self.inbox.drain():
-            if not req.aborted:
-                self.waiting.append(self._admit(req))
+            if not req.aborted and (seq := self.faults.run(req, self._admit, req)) is not None:
+                self.waiting.append(seq)
         batch = [(s, 1) for s in self.running if not s.in_prefill][: self.max_batch_size]
         budget = self.token_budget - len(batch)
         for seq in [s for s in self.running if s.in_prefill]:
@@ -113,6 +115,7 @@ class ThinkerStage:
     def step(self) -> bool:
         batch = self._schedule()
         self.last_batch = len(batch)
+        self.step_requests = [s.req for s, _ in batch]
         if not batch:
             return False
         if self.runner is not None and not any(s.in_prefill for s, _ in batch):
@@ -161,7 +164,8 @@ class ThinkerStage:
     def _emit(self, seqs: list[ThinkerSeq], tokens: torch.Tensor, embeds: torch.Tensor | None) -> None:
         # NOTE: the one host sync of the step; it also makes `embeds` ready for the talker's stream.
         for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            self._append(seq, token, tokens[i:i + 1], None if embeds is None else embeds[i])
+            embed = None if embeds is None else embeds[i]
+            self.faults.run(seq.req, self._append, seq, token, tokens[i:i + 1], embed)
 
     def _stack(self, rows: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
         if all(r is None for r in rows):
