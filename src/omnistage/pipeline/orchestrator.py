@@ -1,5 +1,6 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
-thread), routes them over replicas, and fails requests loudly if a stage fails."""
+thread), routes them over replicas, fails a request that fails in a stage (only it), and fails every
+request loudly if a stage dies."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
+from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.placement import Placement, build_stages
 from omnistage.pipeline.router import Router
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
@@ -34,7 +36,7 @@ class Orchestrator:
         self.processor = PromptProcessor(model_dir)
         placement = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.thinker, self.talkers, self.code2wavs, self.workers = build_stages(
-            placement, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._fail_all)
+            placement, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
         self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
         self.requests: dict[str, Request] = {}
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
@@ -98,17 +100,22 @@ class Orchestrator:
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def stats(self) -> dict[str, dict[str, int]]:
-        """Per stage: last step's batch size, queue depth, KV blocks in use / total (for /metrics)."""
-        return {w.name: w.stage.stats() for w in self.workers}
+        """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
+        requests failed (for /metrics)."""
+        return {w.name: {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests}
+                for w in self.workers}
 
     @property
     def error(self) -> BaseException | None:
-        """Set once a stage has failed; the engine then refuses new requests."""
+        """Set once a stage has died (its worker ended); the engine then refuses new requests."""
+        if self._error is None and not all(w.alive for w in self.workers):
+            dead = [w.name for w in self.workers if not w.alive]
+            self._on_error(EngineDeadError(f"stage worker(s) {', '.join(dead)} stopped"))
         return self._error
 
     def add_request(self, req: Request) -> None:
-        if self._error is not None:
-            raise RuntimeError(f"the engine has failed: {self._error!r}")
+        if self.error is not None:
+            raise EngineDeadError(f"the engine has failed: {self._error!r}")
         if req.want_audio and not self.talkers:
             raise ValueError("this checkpoint has no audio output (enable_audio_output is false)")
         emit = req.emit
@@ -123,40 +130,46 @@ class Orchestrator:
             self.requests[req.request_id] = req
         self.thinker.add(req)
 
-    def _forget(self, request_id: str) -> None:
+    def _forget(self, request_id: str) -> bool:
         with self._done:
-            self.requests.pop(request_id, None)
+            was_in_flight = self.requests.pop(request_id, None) is not None
             self._done.notify_all()
         self.talker_router.release(request_id)
         self.code2wav_router.release(request_id)
+        return was_in_flight
 
-    def abort(self, request_id: str) -> None:
-        """Frees what the request holds in every stage; its stream gets no further items."""
+    def abort(self, request_id: str) -> bool:
+        """Frees what the request holds in every stage; its stream gets no further items. False when it
+        was no longer in flight (finished or aborted already)."""
         req = self.requests.get(request_id)
         if req is None:
-            return
+            return False
         req.aborted = True  # NOTE: before forgetting it, so no stage routes it again
-        self._forget(request_id)
+        if not self._forget(request_id):
+            return False
         self._held.pop(request_id, None)
         for w in self.workers:
             w.abort(request_id)
+        return True
 
     def wait(self, request_ids: list[str]) -> None:
         """Block until these requests finished (or were aborted); raises if a stage failed."""
         with self._done:
             self._done.wait_for(lambda: self._error is not None or not any(r in self.requests for r in request_ids))
         if self._error is not None:
-            raise RuntimeError(f"the engine has failed: {self._error!r}") from self._error
+            raise EngineDeadError(f"the engine has failed: {self._error!r}") from self._error
 
-    def _fail_all(self, error: BaseException) -> None:
-        with self._done:
-            self._error = error
-            reqs = list(self.requests.values())
-            self.requests.clear()
-            self._done.notify_all()
-        for req in reqs:
-            req.aborted = True
-            req.emit(OutputDelta(req.request_id, finished=True, finish_reason="error"))
+    def _on_error(self, error: BaseException, requests: list[Request] | None = None) -> None:
+        """`requests` failed in a stage (which has let go of them): they end with finish_reason "error"
+        and leave every other stage. Without `requests` a stage died: every request in flight fails."""
+        if requests is None:
+            with self._done:
+                self._error = error
+                requests = list(self.requests.values())
+                self._done.notify_all()
+        for req in requests:
+            if self.abort(req.request_id):
+                req.emit(OutputDelta(req.request_id, finished=True, finish_reason="error"))
 
     def shutdown(self) -> None:
         for w in self.workers:

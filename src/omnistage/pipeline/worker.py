@@ -15,14 +15,19 @@ from typing import Any
 import torch
 
 from omnistage.pipeline.connector import Inbox
+from omnistage.pipeline.faults import MAX_UNBLAMED_FAILURES, is_fatal
 
 logger = logging.getLogger(__name__)
 
 
 class StageWorker:
     def __init__(self, name: str, stage: Any, device: torch.device,
-                 on_error: Callable[[BaseException], None]) -> None:
+                 on_error: Callable[..., None]) -> None:
+        """`on_error(error, requests)`: those requests failed (the stage has let go of them);
+        `on_error(error)`: the stage is dead."""
         self.name, self.stage, self.device, self.on_error = name, stage, device, on_error
+        self._unblamed = 0  # consecutive failed steps with no request to blame
+        self.failed_requests = 0  # requests this stage failed (for the metrics)
         self.wake = threading.Event()
         self.stage.inbox.wake = self.wake
         self.controls: Inbox[str] = Inbox(self.wake)
@@ -53,8 +58,38 @@ class StageWorker:
                     self.wake.clear()
                     for request_id in self.controls.drain():
                         self.stage.abort(request_id)
-                    if not self.stage.step():
+                    if not self._step():
                         self.wake.wait(timeout=0.1)
         except BaseException as e:  # NOTE: a failed stage fails every request in flight, loudly
             logger.exception("stage %s failed", self.name)
             self.on_error(e)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() or self._stop
+
+    def _step(self) -> bool:
+        """One step; a failure is its requests' (see pipeline/faults.py), a fatal one ends the worker."""
+        self.stage.step_requests = []
+        try:
+            busy = self.stage.step()
+            self._unblamed = 0
+        except Exception as e:
+            blamed = list(self.stage.step_requests)
+            self._unblamed = 0 if blamed else self._unblamed + 1
+            if is_fatal(e) or self._unblamed >= MAX_UNBLAMED_FAILURES:
+                raise
+            logger.exception("stage %s: a step failed; failing its %d request(s)", self.name, len(blamed))
+            self._fail(blamed, e)
+            busy = True
+        for req, e in self.stage.faults.drain():
+            logger.error("stage %s: request %s failed: %r", self.name, req.request_id, e, exc_info=e)
+            self._fail([req], e)
+        return busy
+
+    def _fail(self, requests: list, error: Exception) -> None:
+        for req in requests:
+            self.stage.abort(req.request_id)
+        self.failed_requests += len(requests)
+        if requests:
+            self.on_error(error, requests)
