@@ -113,12 +113,16 @@ class Stages:
 @dataclass(frozen=True)
 class DeployConfig:
     """`async_chunk`: the talker consumes thinker rows as they are produced (False: it starts after the
-    thinker finished). `async_output`: the host handles step N's outputs while step N+1 runs."""
+    thinker finished). `async_output`: the host handles step N's outputs while step N+1 runs.
+    `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
+    prompt tokens) that have not yet produced every output they asked for; past it a 429."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
     async_chunk: bool = _opt(True, _bool)
     async_output: bool = _opt(True, _bool)
+    max_waiting_requests: int = _opt(256, _positive_int)
+    max_waiting_tokens: int = _opt(262144, _positive_int)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
