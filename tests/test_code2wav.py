@@ -140,5 +140,5 @@ def test_stream_state_is_fixed_size(preset):
     cfg = model.config
     kv = [t for m, t in cache.states.items() if m in set(model.pre_transformer.modules())]
     head_dim = cfg.hidden_size // cfg.num_attention_heads
-    window_kv = (2, 2, cfg.num_key_value_heads, 71, head_dim)  # [slots, k|v, heads, frames, head_dim]
+    window_kv = (3, 2, cfg.num_key_value_heads, 71, head_dim)  # [slots + scratch, k|v, heads, frames, hd]
     assert [tuple(t.shape) for t in kv] == [window_kv] * cfg.num_hidden_layers

@@ -10,6 +10,7 @@ not produce them either).
 Per request the cache holds, in preallocated slots (`max_streams` rows), every causal conv's left
 context, the last input of each trimmed transposed conv, each attention layer's RoPE'd keys/values
 of the last `sliding_window - 1` frames, and the frame count. Nothing grows with utterance length.
+One more row, `scratch`, belongs to no stream: padding rows of fixed-shape batches read and write it.
 """
 
 from __future__ import annotations
@@ -30,13 +31,15 @@ class StreamState:
 
 
 class Code2WavStreamCache:
-    """Per-layer state buffers [max_streams, *layer.state_shape] and frame positions [max_streams]."""
+    """Per-layer state buffers [max_streams + 1, *layer.state_shape] and frame positions [max_streams + 1];
+    row `scratch` (the last) is never allocated to a stream."""
 
     def __init__(self, model: nn.Module, max_streams: int):
         p = next(model.parameters())
-        self.states = {m: torch.zeros(max_streams, *m.state_shape, dtype=p.dtype, device=p.device)
+        self.states = {m: torch.zeros(max_streams + 1, *m.state_shape, dtype=p.dtype, device=p.device)
                        for m in model.modules() if getattr(m, "state_shape", None)}
-        self.pos = torch.zeros(max_streams, dtype=torch.long, device=p.device)
+        self.pos = torch.zeros(max_streams + 1, dtype=torch.long, device=p.device)
+        self.scratch = max_streams
         self.free_slots = list(range(max_streams - 1, -1, -1))
 
     def allocate(self) -> int:
@@ -75,7 +78,7 @@ class Code2WavStreamer:
     """Batched streaming decode over many requests.
 
     `step` groups requests by (chunk length, first chunk); each group is one fixed-shape batched
-    forward (`_decode_group`), the unit a CUDA-graph runner captures per (batch bucket, n, first).
+    forward (`decode_group`), the unit `pipeline.code2wav_runner` captures per (batch bucket, n, first).
     """
 
     def __init__(self, model: Code2Wav, max_streams: int):
@@ -97,13 +100,14 @@ class Code2WavStreamer:
         out: list[torch.Tensor] = [None] * len(items)
         for (n, first), idx in groups.items():
             slots = torch.tensor([items[i][0].slot for i in idx], device=self.cache.pos.device)
-            wav = self._decode_group(slots, torch.stack([items[i][1] for i in idx]), first)
+            wav = self.decode_group(slots, torch.stack([items[i][1] for i in idx]), first)
             for row, i in enumerate(idx):
                 out[i] = wav[row, 0]
                 items[i][0].frames += n
         return out
 
-    def _decode_group(self, slots: torch.Tensor, codes: torch.Tensor, first: bool) -> torch.Tensor:
+    def decode_group(self, slots: torch.Tensor, codes: torch.Tensor, first: bool) -> torch.Tensor:
+        """Chunk `codes [B, Q, n]` of the streams in cache rows `slots [B]` -> new samples [B, 1, S]."""
         ctx = StreamContext(self.cache, slots, first)
         wav = self.model(codes, ctx)
         ctx.advance(codes.shape[-1])
