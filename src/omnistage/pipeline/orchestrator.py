@@ -15,6 +15,7 @@ import torch
 from omnistage.config import DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
+from omnistage.media import MediaPolicy
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
@@ -28,12 +29,12 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from
 class Orchestrator:
     def __init__(self, model_dir: str | Path, *, deploy: DeployConfig | None = None, load_format: str = "auto",
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 seed: int = 0) -> None:
+                 seed: int = 0, media_policy: MediaPolicy | None = None) -> None:
         """`device` (if given) places every stage there; otherwise replica i of a stage goes to its deploy
         `devices[i % len(devices)]`. The thinker is single; talker and code2wav may have replicas."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
-        self.processor = PromptProcessor(model_dir)
+        self.processor = PromptProcessor(model_dir, media_policy)
         placement = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.thinker, self.talkers, self.code2wavs, self.workers = build_stages(
             placement, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)

@@ -38,7 +38,6 @@ from omnistage.server.serving import (
     abort_unfinished,
     check_finished,
     collect,
-    resolve_local_media,
     start_request,
     until_disconnect,
 )
@@ -50,9 +49,9 @@ CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; 
 
 def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voices: Sequence[str],
                api_key: str | None = None, metrics: ServerMetrics | None = None, *,
-               model_info: dict | None = None, allowed_local_media_path: str | None = None) -> FastAPI:
-    """`model_info`: extra fields of the model's /v1/models entry; `allowed_local_media_path`: the folder
-    `file://` media may come from (none: no local files)."""
+               model_info: dict | None = None) -> FastAPI:
+    """`model_info`: extra fields of the model's /v1/models entry. Media parts go to the engine as sent: it
+    decodes them under its media policy (a MediaError there is a 400)."""
     app = FastAPI(title="omnistage")
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -85,7 +84,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     async def chat(req: ChatCompletionRequest, request: Request) -> Response | dict:
         if req.model not in (None, model_name):
             raise model_not_found(req.model)
-        messages = await resolve_local_media(_messages(req), allowed_local_media_path)
+        messages = _messages(req)
         sampling = thinker_sampling_params(req, deploy.stages.thinker.sampling)
         talker = talker_sampling_params(req, deploy.stages.talker.sampling) if req.wants_audio else None
         voice = resolve_voice(req.audio.voice, voices) if req.audio else None

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from omnistage.config import ConfigError, DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.platform import detect_platform
+from omnistage.server.media_args import add_media_args
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -67,12 +69,12 @@ def download(repo_id: str) -> Path:
 
 
 def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None,
-                  device: str | None) -> DeployConfig:
+                  device: str | None, overrides: dict | None = None) -> DeployConfig:
     """The packaged config for the checkpoint's model_type unless `path`; its platform entry follows
     `device` (cpu when the user asks for the CPU on an accelerator machine)."""
     platform = "cpu" if device is not None and device.startswith("cpu") else detect_platform()
     try:
-        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides)
+        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides, overrides)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
 
@@ -82,23 +84,26 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.server.app import create_app
 
-    if args.allowed_local_media_path and not Path(args.allowed_local_media_path).is_dir():
-        raise LaunchError(f"--allowed-local-media-path {args.allowed_local_media_path}: not a directory")
+    from omnistage.server.media_args import media_policy
+
+    policy = media_policy(args)
     source = resolve_model(args.model, args.served_model_name, args.load_format)
-    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device)
+    admission = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens")
+                 if getattr(args, k) is not None}
+    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device, admission)
     logger.info("serving %s from %s", source.name, source.path)
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
     logger.info("deploy config: %s", deploy.describe())
     engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
-                       load_format=args.load_format)
+                       load_format=args.load_format, media_policy=policy)
     voices = engine.engine.voices
     logger.info("voices: %s", ", ".join(voices))
     info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
-                     allowed_local_media_path=args.allowed_local_media_path)
+                     max_body_bytes=args.max_body_bytes)
     return app, engine
 
 
@@ -129,7 +134,14 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one torch device for every stage (default: each stage's deploy `devices`)")
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1 routes")
-    p.add_argument("--allowed-local-media-path", default=None,
-                   help="folder that file:// media in requests may come from (default: none)")
+    p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1 routes (default: $OMNISTAGE_API_KEY)")
+    p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
+    p.add_argument("--max-waiting-requests", type=int, default=None,
+                   help="requests waiting for their first outputs before new ones get a 429 "
+                        "(default: the deploy config's max_waiting_requests)")
+    p.add_argument("--max-waiting-tokens", type=int, default=None,
+                   help="prompt tokens of waiting requests before new ones get a 429 (default: the deploy "
+                        "config's max_waiting_tokens)")
+    add_media_args(p)
     return p

@@ -13,7 +13,6 @@ import anyio
 import numpy as np
 from starlette.requests import ClientDisconnect, Request
 
-from omnistage.media import audio_from_url
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.errors import bad_request
@@ -137,22 +136,3 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     finally:
         watcher.cancel()
 
-
-async def resolve_local_media(messages: list[dict], allowed_dir: str | None) -> list[dict]:
-    """`file://` audio parts decoded here, where the --allowed-local-media-path policy lives (a 400 outside
-    it); everything else goes to the engine as sent."""
-
-    def resolve(part: dict) -> dict:
-        url = part.get("audio_url", {}).get("url") if part.get("type") == "audio_url" else part.get("audio")
-        if not (isinstance(url, str) and url.startswith("file://")):
-            return part
-        try:
-            return {"type": "audio", "audio": audio_from_url(url, allowed_dir)}
-        except (ValueError, OSError) as e:
-            raise bad_request(f"{url}: {e}") from None
-
-    def resolve_all() -> list[dict]:
-        return [{**m, "content": [resolve(p) for p in m["content"]]} if isinstance(m.get("content"), list)
-                else m for m in messages]
-
-    return await asyncio.to_thread(resolve_all)
