@@ -1,5 +1,9 @@
 """Online Python API: many requests in flight, each an async iterator of output deltas. The engine
-runs in its own thread; deltas cross to the event loop through `call_soon_threadsafe`."""
+runs in its own thread; deltas cross to the event loop through `call_soon_threadsafe`.
+
+Admission is bounded (deploy `max_waiting_requests`, `max_waiting_tokens`): a request waits from its
+arrival until it has produced every output it asked for (its first text, and its first audio when it
+wants audio); past the bound `generate` raises EngineOverloaded, so memory stays bounded under overload."""
 
 from __future__ import annotations
 
@@ -10,8 +14,34 @@ from pathlib import Path
 from typing import Any
 
 from omnistage.outputs import OutputDelta
+from omnistage.pipeline.faults import EngineOverloaded
 from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+
+
+class Admission:
+    """Requests waiting for their first outputs and their prompt tokens; touched on the event loop only."""
+
+    def __init__(self, max_requests: int, max_tokens: int) -> None:
+        self.max_requests, self.max_tokens = max_requests, max_tokens
+        self.requests = self.tokens = 0
+
+    def enter(self) -> None:
+        if self.requests >= self.max_requests:
+            raise EngineOverloaded(f"the server is overloaded: {self.requests} requests are waiting; "
+                                   "retry later")
+        self.requests += 1
+
+    def add_tokens(self, n: int) -> None:
+        if n > self.max_tokens:
+            raise ValueError(f"the prompt ({n} tokens) exceeds the server's limit of {self.max_tokens} tokens")
+        if self.tokens + n > self.max_tokens:
+            raise EngineOverloaded(f"the server is overloaded: {self.tokens} prompt tokens are waiting; "
+                                   "retry later")
+        self.tokens += n
+
+    def leave(self, tokens: int) -> None:
+        self.requests, self.tokens = self.requests - 1, self.tokens - tokens
 
 
 class AsyncOmni:
@@ -21,29 +51,40 @@ class AsyncOmni:
 
             model = tiny_checkpoint()
         self.engine = Orchestrator(model, **engine_kwargs)
+        deploy = self.engine.deploy
+        self.admission = Admission(deploy.max_waiting_requests, deploy.max_waiting_tokens)
 
     async def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                        talker_sampling: TalkerSamplingParams | None, voice: str | None,
                        use_audio_in_video: bool = False, prompt_token_ids: list[int] | None = None
                        ) -> AsyncIterator[OutputDelta]:
-        """Audio is produced when `talker_sampling` is given. Aborts the request if the consumer stops early."""
+        """Audio is produced when `talker_sampling` is given. Aborts the request if the consumer stops early.
+        Raises EngineOverloaded (admission full) or ValueError (refused) before the first item."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
 
         def emit(delta: OutputDelta) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, delta)
 
-        req = await loop.run_in_executor(None, lambda: self.engine.make_request(
-            request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
-            sampling=sampling, talker_sampling=talker_sampling, emit=emit))
-        self.engine.add_request(req)
+        self.admission.enter()
+        tokens, waiting_for = 0, {"text", "audio"} if talker_sampling is not None else {"text"}
         finished = False
         try:
+            req = await loop.run_in_executor(None, lambda: self.engine.make_request(
+                request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
+                sampling=sampling, talker_sampling=talker_sampling, emit=emit))
+            self.admission.add_tokens(len(req.prompt.input_ids))
+            tokens = len(req.prompt.input_ids)
+            self.engine.add_request(req)
             while not finished:
                 delta = await queue.get()
                 finished = delta.finished
+                if waiting_for and _produced(delta, waiting_for):
+                    self.admission.leave(tokens)
                 yield delta
         finally:
+            if waiting_for:
+                self.admission.leave(tokens)
             if not finished:
                 self.engine.abort(request_id)
 
@@ -69,3 +110,14 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+def _produced(delta: OutputDelta, waiting_for: set[str]) -> bool:
+    """Takes the kinds of output `delta` carries out of `waiting_for`; True when that empties it."""
+    if delta.text or delta.token_ids:
+        waiting_for.discard("text")
+    if delta.audio is not None:
+        waiting_for.discard("audio")
+    if delta.finished:
+        waiting_for.clear()
+    return not waiting_for

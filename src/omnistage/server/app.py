@@ -21,6 +21,7 @@ from omnistage.server.errors import (
     bad_request,
     error_body,
     install_api_key,
+    install_body_limit,
     install_error_handlers,
     model_not_found,
 )
@@ -45,10 +46,12 @@ from omnistage.server.speech import install_speech
 
 logger = logging.getLogger(__name__)
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"; only the metrics see it
+MAX_BODY_BYTES = 64 << 20  # a request body (base64 media included)
 
 
 def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voices: Sequence[str],
                api_key: str | None = None, metrics: ServerMetrics | None = None, *,
+               max_body_bytes: int = MAX_BODY_BYTES,
                model_info: dict | None = None) -> FastAPI:
     """`model_info`: extra fields of the model's /v1/models entry. Media parts go to the engine as sent: it
     decodes them under its media policy (a MediaError there is a 400)."""
@@ -56,8 +59,9 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, _client_gone)
     install_api_key(app, api_key)
+    install_body_limit(app, max_body_bytes)
     metrics = metrics or ServerMetrics()
-    install_metrics(app, metrics, getattr(engine, "stats", None))
+    install_metrics(app, metrics, getattr(engine, "stats", None), getattr(engine, "admission", None))
     install_speech(app, engine, model_name, deploy, voices, metrics)
     started = int(time.time())
 
@@ -65,7 +69,8 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     async def health() -> Response:
         error = getattr(engine, "error", None)
         if error is not None:
-            return JSONResponse({"status": "error", "error": repr(error)}, status_code=503)
+            return JSONResponse({"status": "error", "error": "a stage has failed; see the server's log"},
+                                status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")

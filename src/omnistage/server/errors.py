@@ -1,8 +1,10 @@
-"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, with the fitting HTTP status."""
+"""Errors in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, with the fitting HTTP status;
+the API key and body-size checks; messages scrubbed of the server's file paths."""
 
 from __future__ import annotations
 
 import logging
+import re
 import secrets
 from typing import Any
 
@@ -23,15 +25,16 @@ class OpenAIError(Exception):
     lets it through) to answer with this error."""
 
     def __init__(self, message: str, status: int = 400, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.message, self.status, self.type, self.param, self.code = message, status, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
@@ -40,6 +43,24 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> OpenAIError:
     return OpenAIError(message, 400, "invalid_request_error", param, code)
+
+
+def overloaded(message: str, retry_after: int) -> OpenAIError:
+    return OpenAIError(message, 429, "rate_limit_error", code="rate_limit_exceeded",
+                       headers={"Retry-After": str(retry_after)})
+
+
+def unavailable(message: str) -> OpenAIError:
+    return OpenAIError(message, 503, "server_error", code="engine_unavailable")
+
+
+# NOTE: an absolute path of two or more parts that is not inside a URL ("file:///x/y" is left as sent).
+_PATH = re.compile(r"(?<![\w:/.~-])/(?:[\w.@+~-]+/)+[\w.@+~-]*")
+
+
+def public_message(message: str) -> str:
+    """`message` without the server's file paths, for an error a client sees."""
+    return _PATH.sub("<path>", message)
 
 
 def model_not_found(model: str) -> OpenAIError:
@@ -84,8 +105,13 @@ def install_error_handlers(app: FastAPI) -> None:
 
 def install_api_key(app: FastAPI, api_key: str | None) -> None:
     """Every /v1 route needs `Authorization: Bearer <api_key>` (no check when api_key is None)."""
-    if api_key is not None:
-        app.add_middleware(_APIKeyMiddleware, expected=f"Bearer {api_key}".encode())
+    if api_key:
+        app.add_middleware(_APIKeyMiddleware, expected=api_key.encode())
+
+
+def install_body_limit(app: FastAPI, max_bytes: int) -> None:
+    """Request bodies over `max_bytes` get a 413, whether they say their length or not."""
+    app.add_middleware(_BodyLimitMiddleware, max_bytes=max_bytes)
 
 
 class _APIKeyMiddleware:
@@ -94,11 +120,39 @@ class _APIKeyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["path"].startswith("/v1"):
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(got, self.expected):
+            scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # NOTE: compare_digest takes the same time wherever the first wrong byte is.
+            if not (secrets.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):
                 error = OpenAIError("Incorrect API key provided.", 401, code="invalid_api_key")
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
+
+
+class _BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope["headers"]).get(b"content-length", b"0")
+        if not length.isdigit() or int(length) > self.max_bytes:
+            return await self._too_large().response()(scope, receive, send)
+        seen = 0
+
+        async def counted() -> dict:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.max_bytes:  # NOTE: FastAPI lets an HTTPException out of body parsing as it is
+                raise HTTPException(413, self._too_large().message)
+            return message
+
+        await self.app(scope, counted, send)
+
+    def _too_large(self) -> OpenAIError:
+        return OpenAIError(f"The request body is larger than this server's limit of {self.max_bytes} bytes.",
+                           413, code="request_too_large")
 
 
 async def _on_openai_error(request: Request, exc: Any) -> JSONResponse:
@@ -113,7 +167,7 @@ async def _on_http_error(request: Request, exc: Any) -> JSONResponse:
     if exc.status_code == 404:
         message, code = f"Invalid URL ({request.method} {request.url.path})", "unknown_url"
     else:
-        message, code = str(exc.detail), None
+        message, code = str(exc.detail), "request_too_large" if exc.status_code == 413 else None
     return OpenAIError(message, exc.status_code, "invalid_request_error", code=code).response()
 
 

@@ -1,12 +1,14 @@
 """Prometheus text exposition (format 0.0.4) of the server's metrics, without prometheus_client.
 
 RTF here is (last audio chunk - arrival) / audio seconds: below 1 is faster than real time.
+`process_resident_memory_bytes` is read from /proc at scrape time (Linux; absent elsewhere).
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+import os
 import threading
 from collections.abc import Callable
 
@@ -57,6 +59,12 @@ class Counter(_Metric):
         key = self._key(labels)
         with self._lock:
             self._values[key] = self._values.get(key, 0.0) + amount
+
+    def set_total(self, total: float, **labels: object) -> None:
+        """The count kept elsewhere (it must only go up there)."""
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = float(total)
 
 
 class Gauge(_Metric):
@@ -111,17 +119,29 @@ class ServerMetrics:
         self.queue_depth = Gauge(f"{p}_stage_queue_depth", "Requests waiting for the stage.", ("stage",))
         self.kv_blocks_used = Gauge(f"{p}_kv_cache_blocks_in_use", "KV cache blocks in use.", ("stage",))
         self.kv_blocks_total = Gauge(f"{p}_kv_cache_blocks_total", "KV cache blocks allocated.", ("stage",))
+        self.active = Gauge(f"{p}_stage_requests_active", "Requests the stage holds.", ("stage",))
+        self.failed = Counter(f"{p}_stage_requests_failed_total", "Requests failed by a fault in the stage.",
+                              ("stage",))
+        self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs yet.")
+        self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Prompt tokens of waiting requests.")
+        self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
-                     self.queue_depth, self.kv_blocks_used, self.kv_blocks_total]
+                     self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
+                     self.waiting, self.waiting_tokens, self.rss]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
-                      kv_blocks_total: int | None = None) -> None:
+                      kv_blocks_total: int | None = None, active: int | None = None,
+                      failed: int | None = None) -> None:
         self.batch_size.set(batch_size, stage=stage)
         self.queue_depth.set(queue_depth, stage=stage)
         if kv_blocks_used is not None:
             self.kv_blocks_used.set(kv_blocks_used, stage=stage)
         if kv_blocks_total is not None:
             self.kv_blocks_total.set(kv_blocks_total, stage=stage)
+        if active is not None:
+            self.active.set(active, stage=stage)
+        if failed is not None:
+            self.failed.set_total(failed, stage=stage)
 
     def observe_finished(self, e2e: float, ttft: float | None = None, ttfp: float | None = None,
                          audio_seconds: float = 0.0, last_audio: float | None = None) -> None:
@@ -139,16 +159,32 @@ class ServerMetrics:
 
 
 def install_metrics(app: FastAPI, metrics: ServerMetrics,
-                    stage_stats: Callable[[], dict[str, dict[str, int]]] | None = None) -> None:
+                    stage_stats: Callable[[], dict[str, dict[str, int]]] | None = None,
+                    admission: object | None = None) -> None:
     """Count every HTTP request by route and status, and serve GET /metrics (with the engine's
-    per-stage gauges read from `stage_stats` at scrape time)."""
+    per-stage gauges read from `stage_stats`, and the waiting requests and tokens from `admission`'s
+    `requests` and `tokens`, at scrape time)."""
     app.add_middleware(_CountRequests, metrics=metrics)
 
     @app.get("/metrics", include_in_schema=False)
     async def _metrics() -> Response:
         for stage, s in (stage_stats() if stage_stats is not None else {}).items():
             metrics.observe_stage(stage, **s)
+        if admission is not None:
+            metrics.waiting.set(admission.requests)
+            metrics.waiting_tokens.set(admission.tokens)
+        if (rss := rss_bytes()) is not None:
+            metrics.rss.set(rss)
         return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def rss_bytes(pid: int | str = "self") -> int | None:
+    """Resident memory of a process from /proc (None where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return None
 
 
 class _CountRequests:

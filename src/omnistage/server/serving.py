@@ -1,5 +1,6 @@
 """Running one request on the engine for an HTTP handler, shared by the chat and speech endpoints:
-admission errors as 400s, client disconnects as aborts in every stage, per-request times for the metrics."""
+refusals as 400s, a full admission queue as a 429, a dead engine as a 503, client disconnects as aborts in
+every stage, per-request times for the metrics."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from starlette.requests import ClientDisconnect, Request
 
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
-from omnistage.server.errors import bad_request
+from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
+from omnistage.server.errors import bad_request, overloaded, public_message, unavailable
 from omnistage.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,11 @@ async def start_request(engine: EngineClient, request_id: str, messages: list[di
     except StopAsyncIteration:
         first = None
     except ValueError as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(public_message(str(e))) from None
+    except EngineOverloaded as e:
+        raise overloaded(str(e), e.retry_after) from None
+    except EngineDeadError:
+        raise unavailable("The engine has failed and cannot take requests; see the server's log.") from None
     return _prepend(first, deltas)
 
 
