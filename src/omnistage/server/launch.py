@@ -74,7 +74,8 @@ def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None
     `device` (cpu when the user asks for the CPU on an accelerator machine)."""
     platform = "cpu" if device is not None and device.startswith("cpu") else detect_platform()
     try:
-        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides, overrides)
+        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides,
+                                  overrides)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
 
