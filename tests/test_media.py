@@ -92,7 +92,7 @@ def test_video_as_frames():
 
 
 @pytest.mark.parametrize("options, total, fps, expected", [
-    ({}, 300, 30.0, 20), ({}, 5, 10.0, 4), ({}, 7, 30.0, 4), ({"fps": 1}, 90, 30.0, 4), ({"fps": 30}, 91, 30.0, 90),
+    ({}, 300, 30.0, 20), ({"fps": 1.5}, 300, 30.0, 14), ({}, 5, 10.0, 4), ({}, 7, 30.0, 4), ({"fps": 1}, 90, 30.0, 4), ({"fps": 30}, 91, 30.0, 90),
     ({"nframes": 7}, 50, 25.0, 8), ({"nframes": 9}, 50, 25.0, 8), ({"fps": 2, "max_frames": 9}, 900, 30.0, 8),
     ({"fps": 2, "min_frames": 11}, 100, 25.0, 12), ({}, 100000, 30.0, 768)])
 def test_num_frames_as_qwen_omni_utils(options, total, fps, expected):
