@@ -58,7 +58,8 @@ def to_conversation(messages: list[dict[str, Any]], policy: MediaPolicy | None =
     listed = [(i, m.get("content") or "") for i, m in enumerate(messages)]
     count = sum(isinstance(p, dict) and p.get("type") in KIND for _, c in listed if isinstance(c, list) for p in c)
     if count > policy.max_items:
-        raise MediaError(f"messages: {count} media items, more than {policy.max_items} per request")
+        raise MediaError(f"messages: {count} media items, more than {policy.max_items} per request",
+                         "messages")
     items = MediaItems(use_audio_in_video=use_audio_in_video)
     for (i, content), m in zip(listed, messages):
         parts = [content] if isinstance(content, str) else content
@@ -74,14 +75,14 @@ def _part(part: Any, name: str, items: MediaItems, policy: MediaPolicy) -> dict[
     if type_ == "text":
         return {"type": "text", "text": part.get("text", "")}
     if type_ not in KIND:
-        raise MediaError(f"{name}: unsupported content part type {type_!r}")
+        raise MediaError(f"{name}: unsupported content part type {type_!r}", name)
     kind, options = KIND[type_], {k: part[k] for k in OPTIONS if part.get(k) is not None}
     try:
         item = _DECODE[kind](_source(part, type_, kind), options, policy, items.use_audio_in_video)
     except MediaError as e:
-        raise MediaError(f"{name} ({type_}): {e}") from None
+        raise MediaError(f"{name} ({type_}): {e}", name) from None
     except Exception as e:  # NOTE: decoders raise many types on hostile input; all of them are the client's
-        raise MediaError(f"{name} ({type_}): cannot decode {kind}") from e
+        raise MediaError(f"{name} ({type_}): cannot decode {kind}", name) from e
     items.add(kind, item, options)
     return {"type": kind, kind: item, **options}
 

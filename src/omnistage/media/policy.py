@@ -6,7 +6,12 @@ from dataclasses import dataclass
 
 
 class MediaError(ValueError):
-    """Bad media in a request (a client error: the server answers 400). Messages never carry a path or URL."""
+    """Bad media in a request (a client error: the server answers 400). Messages never carry a path or URL;
+    `param` names the item ("messages[0].content[2]") where one is to blame."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
 
 
 @dataclass(frozen=True)

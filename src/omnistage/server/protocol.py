@@ -1,7 +1,9 @@
 """OpenAI-compatible requests (+ documented extensions) and their conversion to sampling params.
 
 Extensions to OpenAI's chat request: top_k, min_p, repetition_penalty, stop_token_ids, ignore_eos,
-use_audio_in_video, max_audio_frames, and a `talker` block (codec sampling; top-level `seed` seeds it too).
+use_audio_in_video (also as `mm_processor_kwargs.use_audio_in_video`), max_audio_frames, and a `talker` block
+(codec sampling; top-level `seed` seeds it too). Media parts: OpenAI's and the Qwen-native `image` / `audio` /
+`video` keys, each with qwen-omni-utils' per-item knobs; the engine decodes them (omnistage.media).
 Sampling = deploy defaults (`stages.<stage>.sampling`) overridden by the fields a request sets.
 """
 
@@ -26,7 +28,10 @@ class _Media(_Strict):
 
     fps: float | None = Field(None, gt=0)
     nframes: int | None = Field(None, ge=1)
+    min_frames: int | None = Field(None, ge=1)
+    max_frames: int | None = Field(None, ge=1)
     min_pixels: int | None = Field(None, ge=1)
+    total_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
     resized_height: int | None = Field(None, ge=1)
     resized_width: int | None = Field(None, ge=1)
@@ -133,6 +138,10 @@ class AudioParams(_Strict):
         return check_format(v)
 
 
+class MMProcessorKwargs(_Strict):
+    use_audio_in_video: bool | None = None
+
+
 class StreamOptions(_Strict):
     include_usage: bool = False
 
@@ -170,6 +179,7 @@ class ChatCompletionRequest(_Strict):
     user: str | None = None
     ignore_eos: bool | None = None
     use_audio_in_video: bool = False
+    mm_processor_kwargs: MMProcessorKwargs | None = None
     max_audio_frames: int | None = Field(None, ge=1)
     talker: TalkerParams | None = None
 
@@ -189,6 +199,11 @@ class ChatCompletionRequest(_Strict):
             raise bad_request("audio: given, but modalities does not include 'audio'", "audio")
         if self.stream_options is not None and not self.stream:
             raise bad_request("stream_options: only allowed when stream is true", "stream_options")
+        mm = self.mm_processor_kwargs.use_audio_in_video if self.mm_processor_kwargs else None
+        if mm is not None and "use_audio_in_video" in self.model_fields_set and mm != self.use_audio_in_video:
+            raise bad_request("mm_processor_kwargs.use_audio_in_video: differs from use_audio_in_video",
+                              "mm_processor_kwargs.use_audio_in_video")
+        self.use_audio_in_video = self.use_audio_in_video if mm is None else mm
         if self.max_audio_frames is not None and self.talker and self.talker.max_frames is not None:
             raise bad_request("max_audio_frames: give it or talker.max_frames, not both", "max_audio_frames")
         if self.wants_audio:

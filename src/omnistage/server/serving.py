@@ -79,7 +79,7 @@ async def start_request(engine: EngineClient, request_id: str, messages: list[di
     except StopAsyncIteration:
         first = None
     except ValueError as e:
-        raise bad_request(public_message(str(e))) from None
+        raise bad_request(public_message(str(e)), getattr(e, "param", None)) from None
     except EngineOverloaded as e:
         raise overloaded(str(e), e.retry_after) from None
     except EngineDeadError:
@@ -141,4 +141,3 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
         raise
     finally:
         watcher.cancel()
-
