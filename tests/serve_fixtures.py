@@ -1,6 +1,6 @@
 """Server fixtures for tests/test_server_*.py, loaded as a plugin (`pytest_plugins`, never imported directly,
 so pytest can rewrite its asserts), so one pair of processes serves the whole session: `server` (no key,
-local media allowed) and the second of `servers` (--api-key KEY)."""
+local media and loopback media URLs allowed) and the second of `servers` (--api-key KEY)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def servers(tmp_path_factory, tiny_dir):  # tiny_dir: the checkpoint is written 
     media = tmp / "media"
     media.mkdir()
     sf.write(media / "tone.wav", 0.3 * np.sin(np.arange(32000) * 0.2), 16000)
-    main = Server(tmp / "main.log", "--allowed-local-media-path", str(media),
+    main = Server(tmp / "main.log", "--allowed-local-media-path", str(media), "--allow-private-media-urls",
                   "--stage-overrides", '{"thinker": {"max_batch_size": 8}}')
     keyed = Server(tmp / "keyed.log", "--api-key", KEY)
     try:

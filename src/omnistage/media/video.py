@@ -35,6 +35,8 @@ def num_frames(options: dict[str, Any], total: int, video_fps: float, max_frames
     """qwen-omni-utils' smart_nframes: `nframes`, or `fps` (default 2) within [min_frames, max_frames]."""
     if "nframes" in options and "fps" in options:
         raise MediaError("give fps or nframes, not both")
+    if total < FRAME_FACTOR:
+        raise MediaError(f"video has {total} frame(s), fewer than {FRAME_FACTOR}")
     if "nframes" in options:
         n = round(options["nframes"] / FRAME_FACTOR) * FRAME_FACTOR
     else:

@@ -1,0 +1,87 @@
+"""Media parts through the real server with the openai client: fetched, local and inline audio give the
+same prompt; every media error is a 400 in OpenAI's shape whose message and param name the item."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import threading
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+import openai
+import pytest
+from media_samples import data_url, mp4_bytes
+
+from serve_process import KEY, MODEL
+
+pytest_plugins = ["serve_fixtures"]
+
+
+@pytest.fixture(scope="module")
+def media_url(servers):
+    """An http server on loopback over the media folder (tone.wav)."""
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(servers[2]))
+    handler.log_message = lambda *args: None
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+
+
+def ask(client: openai.OpenAI, *parts: dict, **extra):
+    return client.chat.completions.create(model=MODEL, max_tokens=3, temperature=0, extra_body=extra or None,
+                                          messages=[{"role": "user", "content": [*parts, {"type": "text",
+                                                                                          "text": "What?"}]}])
+
+
+def test_audio_from_url_path_and_inline_agree(client, servers, media_url):
+    tone = servers[2] / "tone.wav"
+    inline = {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone.read_bytes()).decode(),
+                                                     "format": "wav"}}
+    fetched = {"type": "audio_url", "audio_url": {"url": media_url + "/tone.wav"}}
+    native = {"type": "audio", "audio": "tone.wav", "audio_start": 0.5, "audio_end": 1.5}  # relative: the folder
+    out = [ask(client, part) for part in (inline, fetched, native)]
+    assert out[0].usage.prompt_tokens == out[1].usage.prompt_tokens == out[2].usage.prompt_tokens + 13  # 1 s less
+    assert out[0].choices[0].message.content == out[1].choices[0].message.content
+
+
+def bad(client: openai.OpenAI, *parts: dict, **extra) -> str:
+    with pytest.raises(openai.BadRequestError) as e:
+        ask(client, *parts, **extra)
+    error = e.value.body
+    assert e.value.status_code == 400 and error["type"] == "invalid_request_error"
+    assert error["message"].startswith(f"{error['param']} ") or error["param"] == "messages", error
+    return error["message"]
+
+
+BAD = [
+    ({"type": "input_audio", "input_audio": {"data": "not base64!!", "format": "wav"}},
+     "messages[0].content[0] (input_audio): invalid base64 data"),
+    ({"type": "image_url", "image_url": {"url": data_url(b"\x89PNG junk", "image/png")}},
+     "messages[0].content[0] (image_url): cannot decode image"),
+    ({"type": "video_url", "video_url": {"url": data_url(b"\x00\x00\x00 ftypisom junk", "video/mp4")}},
+     "messages[0].content[0] (video_url): cannot decode video"),
+    ({"type": "video", "video": data_url(mp4_bytes(1, 10), "video/mp4")},
+     "messages[0].content[0] (video): video has 1 frame(s), fewer than 2"),
+    ({"type": "audio_url", "audio_url": {"url": "file:///etc/hostname"}},
+     "messages[0].content[0] (audio_url): local file is outside --allowed-local-media-path"),
+    ({"type": "audio", "audio": "../../etc/hostname"}, "local file is outside --allowed-local-media-path"),
+    ({"type": "audio_url", "audio_url": {"url": "http://127.0.0.1:1/a.wav"}}, "cannot fetch URL (connection failed)"),
+    ({"type": "image", "image": "http://no-such-host.invalid/a.png"}, "cannot resolve the URL's host"),
+]
+
+
+@pytest.mark.parametrize("part, needle", BAD)
+def test_media_errors_are_400s_naming_the_item(client, part, needle):
+    message = bad(client, part)
+    assert needle in message and "/etc" not in message and "127.0.0.1" not in message, message
+
+
+def test_too_many_items_and_private_urls(client, servers, media_url):
+    assert "17 media items, more than 16 per request" in bad(client, *[{"type": "audio", "audio": "x"}] * 17)
+    keyed = openai.OpenAI(base_url=servers[1].url + "/v1", api_key=KEY, max_retries=0)
+    message = bad(keyed, {"type": "audio_url", "audio_url": {"url": media_url + "/tone.wav"}})
+    assert "private, loopback or link-local address (allowed only with --allow-private-media-urls)" in message
+    assert "local files are not allowed" in bad(keyed, {"type": "audio", "audio": "tone.wav"})
+    assert httpx.get(servers[0].url + "/health").status_code == 200
