@@ -1,5 +1,7 @@
 """The talker's decode frame step on static buffers: one CUDA graph per (batch bucket, KV-width bucket)
-on CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
+on CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise);
+and the frame head alone (codebook 0 + code predictor, from a prefill's last hidden) as one graph per
+batch bucket, so a prefill costs an eager talker forward, not ~10k eager kernels.
 
 The graph is all of `Talker.step` for one row per request: talker forward over the paged KV cache,
 codebook-0 sampling, the code predictor's passes with sampling, the next codec embedding. Padding rows
@@ -55,6 +57,7 @@ class TalkerGraphRunner:
         # (graph or eager) runs, so `CodePredictor.predict` never reallocates it.
         talker.code_predictor.allocate_cache(max(rows, max_batch_size))
         self.inputs = torch.zeros(rows, talker.codec_head.in_features, dtype=p.dtype, device=dev)
+        self.hidden = torch.zeros_like(self.inputs)  # the head graphs' input: a prefill's last talker hidden
         self.ints = torch.zeros(2 + len(_INTS) + 1, rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
         self.last_index = torch.arange(rows, device=dev)
@@ -72,18 +75,37 @@ class TalkerGraphRunner:
             return None
         w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width)
         if self.graphs is not None and (b, w) not in self.graphs:
-            self._load(b, w, self._empty)  # warm-up and capture see padding rows only
+            self._load(b, w, self._empty, self.inputs)  # warm-up and capture see padding rows only
             self.graphs.capture((b, w), lambda: self._forward(b, w))
-        self._load(b, w, batch)
-        frames, codec_embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
+        self._load(b, w, batch, self.inputs, batch.inputs)
+        return self._outputs(self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w)), batch)
+
+    def run_head(self, hidden: torch.Tensor, batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`Talker.head` on each request's last talker hidden [B, H] (after an eager prefill forward):
+        codebook 0 and the code predictor as one graph per batch bucket; None past the largest bucket."""
+        n = len(batch.params)
+        b = batch_bucket(n, self.batch_sizes)
+        if b is None:
+            return None
+        if self.graphs is not None and ("head", b) not in self.graphs:
+            self._load(b, None, self._empty, self.hidden)
+            self.graphs.capture(("head", b), lambda: self._head(b))
+        self._load(b, None, batch, self.hidden, hidden)
+        return self._outputs(self._head(b) if self.graphs is None else self.graphs.replay(("head", b)), batch)
+
+    def _outputs(self, out: tuple[torch.Tensor, torch.Tensor], batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        n = len(batch.params)
         batch.seen.copy_(self.seen[:n])
         # NOTE: copies: a graph's outputs are overwritten by its next replay, and frames go to code2wav.
-        return frames[:n].clone(), codec_embeds[:n].clone()
+        return out[0][:n].clone(), out[1][:n].clone()
 
-    def _load(self, b: int, w: int, batch: FrameBatch) -> None:
-        """Copy the live rows into the static buffers, padding rows up to `b`."""
+    def _load(self, b: int, w: int | None, batch: FrameBatch, rows_buf: torch.Tensor,
+              rows: torch.Tensor | None = None) -> None:
+        """Copy the live rows (`rows` into `rows_buf`) into the static buffers, padding rows up to `b`;
+        `w` None: no attention metadata (head only)."""
         n, pad = len(batch.params), [0] * (b - len(batch.params))
-        self.context.fill(batch.num_computed, batch.tables, b, w)
+        if w is not None:
+            self.context.fill(batch.num_computed, batch.tables, b, w)
         st = SamplingTensors.build(batch.params + [_PADDING] * len(pad), batch.seeds + pad)
 
         def col(values: list) -> torch.Tensor:
@@ -94,16 +116,24 @@ class TalkerGraphRunner:
                 col(ignore_eos)]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
         self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
-        self.inputs[:n].copy_(batch.inputs)
-        self.inputs[n:b].zero_()
+        if rows is not None:
+            rows_buf[:n].copy_(rows)
+        rows_buf[n:b].zero_()
         self.seen[:n].copy_(batch.seen)
         self.seen[n:b].zero_()
 
+    def _sampling(self, b: int) -> SamplingTensors:
+        return SamplingTensors(**{f: self.floats[i, :b] for i, f in enumerate(_FLOATS)},
+                               **{f: self.ints[2 + i, :b] for i, f in enumerate(_INTS)},
+                               all_greedy=False, need_truncation=True)
+
     def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`Talker.step` on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
-        st = SamplingTensors(**{f: self.floats[i, :b] for i, f in enumerate(_FLOATS)},
-                             **{f: self.ints[2 + i, :b] for i, f in enumerate(_INTS)},
-                             all_greedy=False, need_truncation=True)
         with forward_context(self.context.context(b, w)):
-            return self.talker.step(self.inputs[:b], self.ints[0, :b], self.last_index[:b], st,
+            return self.talker.step(self.inputs[:b], self.ints[0, :b], self.last_index[:b], self._sampling(b),
                                     self.ints[1, :b], self.seen[:b], self.ints[4, :b] != 0)
+
+    def _head(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`Talker.head` on the first `b` rows of the static hidden buffer."""
+        return self.talker.head(self.hidden[:b], self._sampling(b), self.ints[1, :b], self.seen[:b],
+                                self.ints[4, :b] != 0)

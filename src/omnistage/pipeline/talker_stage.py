@@ -150,31 +150,48 @@ class TalkerStage:
         self.last_batch = len(batch)
         if not batch:
             return False
-        seqs = [s for s, _ in batch]
-        fb = FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
-                        [s.num_computed for s in seqs], [self.blocks.tables[s.req.request_id] for s in seqs],
-                        [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
-                        [s.frames for s in seqs], torch.stack([s.seen for s in seqs]))
-        out = self.runner.run(fb) if self.runner is not None and max(fb.lens) == 1 else None
-        frames, codec_embeds = self._forward(fb) if out is None else out
-        c0 = frames[:, 0].tolist()
-        for i, (seq, n) in enumerate(zip(seqs, fb.lens)):
-            seq.seen.copy_(fb.seen[i])
-            seq.num_computed += n
-            self.faults.run(seq.req, self._advance, seq, frames[i], codec_embeds[i], c0[i])
+        # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
+        groups = [[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]
+        runs = [(g, fb, self._run(fb)) for g in (groups if self.runner else [batch]) if g
+                for fb in [self._frame_batch(g)]]
+        c0 = iter(torch.cat([frames[:, 0] for _, _, (frames, _) in runs]).tolist())  # the step's one host sync
+        for group, fb, (frames, codec_embeds) in runs:
+            for i, (seq, _) in enumerate(group):
+                seq.seen.copy_(fb.seen[i])
+                seq.num_computed += fb.lens[i]
+                self._advance(seq, frames[i], codec_embeds[i], next(c0))
         return True
 
-    def _forward(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step run eagerly on a flat batch (any mix of prefills and decodes)."""
+    def _frame_batch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> FrameBatch:
+        seqs = [s for s, _ in batch]
+        return FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
+                          [s.num_computed for s in seqs], [self.blocks.tables[s.req.request_id] for s in seqs],
+                          [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
+                          [s.frames for s in seqs], torch.stack([s.seen for s in seqs]))
+
+    def _run(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(frames [B, G], codec_embeds [B, H]): a decode batch through the runner's graph, a prefill batch
+        as an eager talker forward plus the runner's head graph; eagerly without a runner (or past its
+        largest bucket)."""
+        decode = max(fb.lens) == 1
+        if self.runner is not None and decode and (out := self.runner.run(fb)) is not None:
+            return out
+        hidden = self._hidden(fb)
+        if self.runner is not None and not decode and (out := self.runner.run_head(hidden, fb)) is not None:
+            return out
+        st = SamplingTensors.build(fb.params, fb.seeds, self.device)
+        frame_index = torch.tensor(fb.frame_index, device=self.device)
+        ignore_eos = torch.tensor([p.ignore_eos for p in fb.params], device=self.device)
+        return self.talker.head(hidden, st, frame_index, fb.seen, ignore_eos)
+
+    def _hidden(self, fb: FrameBatch) -> torch.Tensor:
+        """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden."""
         positions = torch.cat([torch.arange(c, c + n, device=self.device)
                                for c, n in zip(fb.num_computed, fb.lens)])
         last = torch.tensor(fb.lens, device=self.device).cumsum(0) - 1
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
-        st = SamplingTensors.build(fb.params, fb.seeds, self.device)
-        frame_index = torch.tensor(fb.frame_index, device=self.device)
-        ignore_eos = torch.tensor([p.ignore_eos for p in fb.params], device=self.device)
         with forward_context(ctx):
-            return self.talker.step(fb.inputs, positions, last, st, frame_index, fb.seen, ignore_eos)
+            return self.talker(fb.inputs, positions).index_select(0, last)
 
     def _advance(self, seq: TalkerSeq, frame: torch.Tensor, codec_embed: torch.Tensor, c0: int) -> None:
         tp = seq.req.talker_sampling

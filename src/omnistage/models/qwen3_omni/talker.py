@@ -79,7 +79,13 @@ class Talker(nn.Module):
         `frame_index` [B] its frame number (the draw counter), `seen` [B, vocab] its generated codes
         (updated in place), `ignore_eos` [B] bool: codec_eos suppressed too, so every frame is valid.
         Returns (frames [B, G]: codebook 0 then 1..G-1, codec_embeds [B, H])."""
-        hidden = self(inputs_embeds, positions).index_select(0, last_index)
+        return self.head(self(inputs_embeds, positions).index_select(0, last_index), st, frame_index, seen,
+                         ignore_eos)
+
+    def head(self, hidden: torch.Tensor, st: SamplingTensors, frame_index: torch.Tensor, seen: torch.Tensor | None,
+             ignore_eos: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The frame from each request's last talker hidden [B, H]: codebook 0, then the code predictor
+        (arguments and result as `step`)."""
         counters = frame_index * self.num_code_groups
         suppress = self.suppress if ignore_eos is None else self.suppress | (self.eos_mask & ignore_eos[:, None])
         c0 = sample(self.codec_head(hidden), st, counters, seen=seen, suppress=suppress)
