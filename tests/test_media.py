@@ -174,3 +174,17 @@ def test_local_files_only_under_the_allowed_folder(media_dir):
     check_error(user({"type": "audio", "audio": "missing.wav"}), "(audio): local file not found", policy)
     check_error(user({"type": "audio", "audio": f"file://{allowed}/a.wav"}), "local files are not allowed")
     check_error(user({"type": "audio", "audio": f"file://host{allowed}/a.wav"}), "must name a local path", policy)
+
+
+def test_only_plain_image_and_container_formats(tmp_path, monkeypatch):
+    eps = b"%!PS-Adobe-3.0 EPSF-3.0\n%%BoundingBox: 0 0 8 8\n"  # Pillow's EPS plugin would run Ghostscript
+    with pytest.raises(MediaError, match=r"\(image\): cannot decode image") as e:
+        to_conversation(user({"type": "image", "image": data_url(eps, "image/eps")}))
+    assert type(e.value.__cause__).__name__ == "UnidentifiedImageError"
+    monkeypatch.chdir(tmp_path)  # ffmpeg's concat demuxer would read these files (relative to the cwd)
+    (tmp_path / "tone.wav").write_bytes(wav_bytes())
+    (tmp_path / "clip.mp4").write_bytes(mp4_bytes())
+    for kind, name in (("audio", "tone.wav"), ("video", "clip.mp4")):
+        concat = f"ffconcat version 1.0\nfile {name}\n".encode()
+        with pytest.raises(MediaError, match=rf"\({kind}\): cannot decode {kind}"):
+            to_conversation(user({"type": kind, kind: data_url(concat, "x")}))

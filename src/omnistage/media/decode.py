@@ -12,6 +12,8 @@ from PIL import Image
 from omnistage.media.policy import MediaError
 
 AUDIO_INPUT_RATE = 16000
+# NOTE: no formats whose plugins call out (EPS -> Ghostscript) or that are rarely real photos.
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP", "TIFF")
 
 
 def decode_audio_bytes(data: bytes, start: float = 0.0, end: float | None = None,
@@ -53,7 +55,7 @@ def resample(wav: np.ndarray, rate: int, target: int) -> np.ndarray:
 
 def decode_image_bytes(data: bytes, max_pixels: int) -> Image.Image:
     """The first frame, RGB; transparency composited on white (as qwen-vl-utils does)."""
-    image = Image.open(io.BytesIO(data))  # NOTE: lazy: the size is known before any pixel is decoded
+    image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # NOTE: lazy: the size is known before any pixel is decoded
     return rgb_image(image, max_pixels)
 
 

@@ -16,6 +16,8 @@ from omnistage.media.decode import AUDIO_INPUT_RATE, check_seconds, resample
 from omnistage.media.policy import MediaError, MediaPolicy
 
 FPS, MIN_FRAMES, FRAME_FACTOR = 2.0, 4, 2
+# NOTE: demuxers only for media files: playlist-like ones (hls, concat, ...) would open further URLs or files.
+CONTAINERS = "mov,mp4,m4a,3gp,3g2,mj2,matroska,webm,avi,asf,flv,mpeg,mpegts,ogg,mp3,aac,wav,flac"
 
 
 @dataclass
@@ -76,7 +78,7 @@ def video_from_frames(images: list[Image.Image], options: dict[str, Any]) -> Vid
 
 def decode_audio_track(data: bytes, start: float, end: float | None, max_seconds: float) -> np.ndarray:
     """The first audio stream, [start, end] seconds, downmixed, at 16 kHz."""
-    with av.open(io.BytesIO(data)) as container:
+    with open_container(data) as container:
         if not container.streams.audio:
             raise MediaError("no audio track (use_audio_in_video needs one)")
         stream = container.streams.audio[0]
@@ -95,10 +97,14 @@ def decode_audio_track(data: bytes, start: float, end: float | None, max_seconds
     return resample(wav, rate, AUDIO_INPUT_RATE)
 
 
+def open_container(data: bytes) -> av.container.InputContainer:
+    return av.open(io.BytesIO(data), container_options={"format_whitelist": CONTAINERS})
+
+
 def _frame_times(data: bytes) -> tuple[np.ndarray, float]:
     """Presentation times (s) of the first video stream's frames, from the packets (nothing decoded), and
     its frame rate (the container's average, else from the times)."""
-    with av.open(io.BytesIO(data)) as container:
+    with open_container(data) as container:
         if not container.streams.video:
             raise MediaError("no video stream")
         stream = container.streams.video[0]
@@ -111,7 +117,7 @@ def _frame_times(data: bytes) -> tuple[np.ndarray, float]:
 
 def _decode_frames(data: bytes, indices: np.ndarray, max_pixels: int) -> np.ndarray:
     wanted, out = set(indices.tolist()), []
-    with av.open(io.BytesIO(data)) as container:
+    with open_container(data) as container:
         stream = container.streams.video[0]
         for i, frame in enumerate(container.decode(stream)):
             if i in wanted:
