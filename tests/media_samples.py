@@ -1,4 +1,5 @@
-"""Small media files made in memory for the media tests: wav, png, mp4 (with or without an audio track)."""
+"""What the media tests share: small media files made in memory (wav, png, mp4 with or without an audio
+track, m4a), and helpers."""
 
 from __future__ import annotations
 
@@ -7,8 +8,11 @@ import io
 
 import av
 import numpy as np
+import pytest
 import soundfile as sf
 from PIL import Image
+
+from omnistage.media import MediaError, MediaPolicy, to_conversation
 
 
 def tone(seconds: float, rate: int, hz: float = 440.0, channels: int = 1) -> np.ndarray:
@@ -83,3 +87,15 @@ def data_url(data: bytes, mime: str) -> str:
 def peak_hz(wav: np.ndarray, rate: int = 16000) -> float:
     spectrum = np.abs(np.fft.rfft(wav))
     return float(np.argmax(spectrum) * rate / wav.size)
+
+
+def user(*parts: dict | str) -> list[dict]:
+    return [{"role": "user", "content": list(parts)}]
+
+
+def check_error(messages: list[dict], needle: str, policy: MediaPolicy | None = None, **kw) -> str:
+    """to_conversation's MediaError message, which must contain `needle`."""
+    with pytest.raises(MediaError) as e:
+        to_conversation(messages, policy, **kw)
+    assert needle in str(e.value), str(e.value)
+    return str(e.value)
