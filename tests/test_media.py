@@ -3,6 +3,8 @@ qwen-omni-utils samples, and the errors (each naming its item)."""
 
 from __future__ import annotations
 
+import base64
+
 import numpy as np
 import pytest
 from media_samples import check_error, data_url, m4a_bytes, mp4_bytes, peak_hz, png_bytes, user, wav_bytes
@@ -20,7 +22,8 @@ WAV44 = wav_bytes(1.0, 44100, channels=2)
 
 
 def test_audio_parts_decode_to_16k_mono():
-    parts = [{"type": "input_audio", "input_audio": {"data": b64(WAV44), "format": "wav"}},
+    mime = base64.encodebytes(WAV44).decode()  # line breaks every 76 characters
+    parts = [{"type": "input_audio", "input_audio": {"data": mime, "format": "wav"}},
              {"type": "audio_url", "audio_url": {"url": data_url(WAV44, "audio/wav")}},
              {"type": "audio", "audio": data_url(m4a_bytes(1.0), "audio/mp4")},  # not libsndfile: PyAV
              {"type": "audio", "audio": data_url(WAV44, "audio/wav"), "audio_start": 0.25, "audio_end": 0.75},

@@ -97,6 +97,7 @@ def test_limits(base):
     refused("http://127.0.0.1:1/x.wav", LOOPBACK, "cannot fetch URL (connection failed)")
     refused("http://no-such-host.invalid/x.wav", LOOPBACK, "cannot resolve the URL's host")
     refused("http://127.0.0.1:99999/x.wav", LOOPBACK, "invalid port")
+    refused(base + "/a b\u00e9.wav", LOOPBACK, "URL is not valid")
 
 
 def test_every_hop_is_checked(base, monkeypatch):

@@ -50,7 +50,9 @@ def test_local_files_only_under_the_allowed_folder(media_dir):
                    f"file://{allowed}/../outside/secret.wav", "link.wav", "sub/secret.wav", "/etc/hostname"):
         message = check_error(user({"type": "audio", "audio": source}), "outside --allowed-local-media-path", policy)
         assert str(outside) not in message and "secret" not in message and "etc" not in message
-    check_error(user({"type": "audio", "audio": "missing.wav"}), "(audio): local file not found", policy)
+    os.mkfifo(allowed / "fifo.wav")
+    for name in ("missing.wav", "fifo.wav", "."):  # a FIFO would block a plain open()
+        check_error(user({"type": "audio", "audio": name}), "(audio): local file not found", policy)
     check_error(user({"type": "audio", "audio": f"file://{allowed}/a.wav"}), "local files are not allowed")
     check_error(user({"type": "audio", "audio": f"file://host{allowed}/a.wav"}), "must name a local path", policy)
 

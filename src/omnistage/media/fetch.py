@@ -9,6 +9,7 @@ import http.client
 import ipaddress
 import os
 import socket
+import stat
 import time
 from urllib.parse import unquote, unquote_to_bytes, urljoin, urlsplit
 
@@ -48,9 +49,10 @@ def data_url_bytes(url: str, max_bytes: int) -> bytes:
 
 
 def b64decode(payload: str, max_bytes: int) -> bytes:
+    """Strict base64 (line breaks and spaces, as MIME encoders write them, are dropped first)."""
     _check_size(len(payload) // 4 * 3, max_bytes)
     try:
-        return base64.b64decode(payload, validate=True)
+        return base64.b64decode("".join(payload.split()), validate=True)
     except (binascii.Error, ValueError):
         raise MediaError("invalid base64 data") from None
 
@@ -62,11 +64,20 @@ def read_local(path: str, policy: MediaPolicy) -> bytes:
     real = os.path.realpath(os.path.join(root, path))  # an absolute `path` replaces root
     if os.path.commonpath([root, real]) != root:
         raise MediaError("local file is outside --allowed-local-media-path")
-    if not os.path.isfile(real):
-        raise MediaError("local file not found")
-    _check_size(os.path.getsize(real), policy.max_bytes)
-    with open(real, "rb") as f:
-        return f.read()
+    try:
+        # NOTE: O_NOFOLLOW: a symlink swapped in since realpath is refused; O_NONBLOCK: a FIFO cannot hang us.
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        raise MediaError("local file not found") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise MediaError("local file not found")
+        _check_size(info.st_size, policy.max_bytes)
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            return f.read()
+    finally:
+        os.close(fd)
 
 
 def fetch_url(url: str, policy: MediaPolicy) -> bytes:
@@ -87,6 +98,8 @@ def fetch_url(url: str, policy: MediaPolicy) -> bytes:
             if resp.status != 200:
                 raise MediaError(f"URL answered HTTP {resp.status}")
             return _read_limited(sock, resp, policy.max_bytes, deadline)
+        except http.client.InvalidURL:
+            raise MediaError("URL is not valid") from None
         except (OSError, http.client.HTTPException) as e:
             reason = "timed out" if isinstance(e, TimeoutError) else "connection failed"
             raise MediaError(f"cannot fetch URL ({reason})") from None
@@ -118,7 +131,7 @@ def resolve_host(host: str, port: int, policy: MediaPolicy) -> str:
     """The address to connect to; every address `host` resolves to must be public unless the policy says."""
     if not host:
         raise MediaError("URL has no host")
-    if policy.allowed_domains is not None and host.lower() not in policy.allowed_domains:
+    if policy.allowed_domains is not None and host.lower() not in {d.lower() for d in policy.allowed_domains}:
         raise MediaError("URL host is not in --allowed-media-domains")
     try:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
