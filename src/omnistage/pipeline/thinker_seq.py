@@ -9,6 +9,8 @@ import torch
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import record_tokens
+from omnistage.models.qwen3_omni.decoder import Deepstack
+from omnistage.models.qwen3_omni.rope_index import MRope
 
 
 @dataclass
@@ -25,6 +27,13 @@ class ThinkerSeq:
     emitted: int = 0  # characters of detok.text already streamed
     output_ids: list[int] = field(default_factory=list)
     mm_hidden: list[torch.Tensor] = field(default_factory=list)
+    mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
+    deepstack: Deepstack | None = None  # visual DeepStack rows at prompt indices `index`
+
+    @property
+    def rope_delta(self) -> float:
+        """Decode position of sequence index i (past the prompt) is i + rope_delta on every axis."""
+        return 0.0 if self.mrope is None else self.mrope.delta
 
     @property
     def prompt_len(self) -> int:

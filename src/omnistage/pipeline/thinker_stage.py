@@ -10,13 +10,14 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
-from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.outputs import OutputDelta
+from omnistage.models.qwen3_omni.rope_index import RopeSpec, flat_positions
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
+from omnistage.pipeline.thinker_inputs import Media, encode_media, encode_together, new_seq, step_deepstack
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker_seq import ThinkerSeq
@@ -42,6 +43,7 @@ class ThinkerStage:
         self.vocab = thinker.lm_head.out_features
         self.accept_layer = config.talker_config.accept_hidden_layer
         self.eos_ids = {config.im_end_token_id}
+        self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request] = Inbox()
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
@@ -63,33 +65,17 @@ class ThinkerStage:
     def num_active(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    @torch.no_grad()
-    def _admit(self, req: Request) -> ThinkerSeq:
-        ids = torch.tensor(req.prompt.input_ids, device=self.device)
-        audio = None
-        if req.prompt.input_features is not None:
-            audio = self.thinker.encode_audio(req.prompt.input_features.to(self.device, self.dtype),
-                                              req.prompt.feature_attention_mask.to(self.device))
-        embeds, _ = self.thinker.embed(ids, audio_embeds=audio)
-        sp = req.sampling
-        seen = counts = None
-        if sp.repetition_penalty != 1.0:
-            seen = torch.zeros(self.vocab, dtype=torch.bool, device=self.device)
-            seen[ids] = True
-        if sp.presence_penalty or sp.frequency_penalty:
-            counts = torch.zeros(self.vocab, dtype=torch.int32, device=self.device)
-        mm = torch.isin(ids, torch.tensor(sorted(self._mm_ids()), device=self.device))
-        return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(self.tokenizer, req.prompt.input_ids), seen,
-                          counts, has_mm=bool(mm.any()))
-
-    def _mm_ids(self) -> set[int]:
-        t = self.thinker
-        return {t.audio_token_id, t.image_token_id, t.video_token_id}
+    def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
+        """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
+        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype)[0]
+        return new_seq(self.thinker, req, media, self.tokenizer, self.rope)
 
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
-        for req in self.inbox.drain():
-            if not req.aborted and (seq := self.faults.run(req, self._admit, req)) is not None:
+        reqs = [r for r in self.inbox.drain() if not r.aborted]
+        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype)
+        for i, req in enumerate(reqs):
+            if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
         batch = [(s, 1) for s in self.running if not s.in_prefill][: self.max_batch_size]
         budget = self.token_budget - len(batch)
@@ -130,14 +116,14 @@ class ThinkerStage:
         decode_ids = [s.output_ids[-1] for s, _ in batch if not s.in_prefill]
         rows = [self.thinker.model.embed_tokens(torch.tensor(decode_ids, device=self.device))] if decode_ids else []
         rows += [s.embeds[s.num_computed:s.num_computed + n] for s, n in batch if s.in_prefill]
-        positions = torch.tensor([p for s, n in batch for p in range(s.num_computed, s.num_computed + n)],
-                                 device=self.device)
+        spans = [(s.num_computed, n) for s, n in batch]
+        positions = flat_positions(spans, [s.mrope for s, _ in batch], self.device)
         capture = self.accept_layer if any(s.in_prefill and s.has_mm for s, _ in batch) else None
         ctx = build_context([s.num_computed for s, _ in batch], [n for _, n in batch],
                             [self.blocks.tables[s.req.request_id] for s, _ in batch], self.blocks.block_size,
                             self.device)
         with forward_context(ctx):
-            hidden, accept = self.thinker.model(torch.cat(rows), positions, capture)
+            hidden, accept = self.thinker.model(torch.cat(rows), positions, capture, step_deepstack(batch))
         offset, samplers = 0, []
         for seq, n in batch:
             if capture is not None and seq.in_prefill:
@@ -145,6 +131,7 @@ class ThinkerStage:
             seq.num_computed += n
             offset += n
             if not seq.in_prefill:
+                seq.deepstack = None  # NOTE: the prompt is done: its DeepStack rows are not needed again
                 samplers.append((seq, offset - 1))
         if samplers:
             self._sample(samplers, hidden)

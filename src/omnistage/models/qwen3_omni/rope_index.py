@@ -179,3 +179,20 @@ class _Media:
         merged, tail = _interleave(self._visual("video", layout.next), audio)
         layout.add(merged, last=tail)
         return merged.shape[1]
+
+
+def flat_positions(spans: Sequence[tuple[int, int]], mropes: Sequence[MRope | None],
+                   device: torch.device | str | None = None) -> torch.Tensor:
+    """Positions of a flat batch whose request j brings the rows c_j .. c_j + n_j - 1 of its sequence
+    (`spans` (c_j, n_j)): `[T]` int64 when no request has 3-D positions, else `[3, T]` float32 (prompt
+    rows from `positions`, later rows at i + delta on every axis, computed as transformers does)."""
+    if all(m is None for m in mropes):
+        return torch.tensor([p for c, n in spans for p in range(c, c + n)], device=device)
+    cols = []
+    for (c, n), m in zip(spans, mropes):
+        length, delta = (0, 0.0) if m is None else (m.positions.shape[1], m.delta)
+        later = torch.arange(max(c, length), c + n) + torch.tensor(delta, dtype=torch.float32)
+        if c < length:
+            cols.append(m.positions[:, c:c + n])
+        cols.append(later.expand(3, -1))
+    return torch.cat(cols, dim=1).to(device)
