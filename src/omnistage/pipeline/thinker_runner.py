@@ -34,6 +34,7 @@ class ThinkerGraphRunner:
         rows, vocab = self.batch_sizes[-1], thinker.lm_head.out_features
         self.ints = torch.zeros(3 + len(_INTS), rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
+        self.rope_delta = torch.zeros(rows, dtype=torch.float32, device=dev)  # M-RoPE: position = index + delta
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
         self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=dev)
         self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
@@ -70,6 +71,7 @@ class ThinkerGraphRunner:
                 *(getattr(st, f) for f in _INTS)]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
         self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        self.rope_delta[:b].copy_(torch.tensor([s.rope_delta for s in seqs] + [0.0] * len(pad)), non_blocking=True)
         for buf, rows in ((self.seen, [s.seen for s in seqs]), (self.counts, [s.counts for s in seqs])):
             buf[:b].zero_()
             for i, row in enumerate(rows):
@@ -83,7 +85,7 @@ class ThinkerGraphRunner:
                              all_greedy=False, need_truncation=True)
         model = self.thinker.model
         with forward_context(self.context.context(b, w)):
-            hidden, _ = model(model.embed_tokens(self.ints[0, :b]), self.ints[1, :b])
+            hidden, _ = model(model.embed_tokens(self.ints[0, :b]), self.ints[1, :b] + self.rope_delta[:b])
         logits = self.thinker.compute_logits(hidden)
         tokens = sample(logits, st, self.ints[2, :b], seen=self.seen[:b], counts=self.counts[:b])
         return tokens, model.embed_tokens(tokens)
