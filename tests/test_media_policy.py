@@ -3,6 +3,7 @@ and container formats."""
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -69,3 +70,19 @@ def test_only_plain_image_and_container_formats(tmp_path, monkeypatch):
         concat = f"ffconcat version 1.0\nfile {name}\n".encode()
         with pytest.raises(MediaError, match=rf"\({kind}\): cannot decode {kind}"):
             to_conversation(user({"type": kind, kind: data_url(concat, "x")}))
+
+
+def test_serve_flags(tmp_path):
+    from omnistage.server.launch import add_serve_args
+    from omnistage.server.media_args import media_policy
+
+    parser = add_serve_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--allowed-local-media-path", str(tmp_path), "--allowed-media-domains", "A.example",
+                              "b.example", "--allow-private-media-urls", "--max-media-items", "3",
+                              "--media-fetch-timeout", "2.5", "--max-video-seconds", "60"])
+    assert media_policy(args) == MediaPolicy(allowed_local_dir=str(tmp_path), allowed_domains=("a.example", "b.example"),
+                                             allow_private_urls=True, max_items=3, fetch_timeout_s=2.5,
+                                             max_video_seconds=60.0)
+    assert media_policy(parser.parse_args([])) == MediaPolicy()
+    with pytest.raises(SystemExit, match="--allowed-local-media-path .*: not a directory"):
+        media_policy(parser.parse_args(["--allowed-local-media-path", str(tmp_path / "nope")]))
