@@ -41,12 +41,7 @@ left() { echo $((BUDGET - (SECONDS - T0))); }
 OUT=${OUT:-$PWD/bench-out}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/bench.log") 2>&1
-export PYTHONPATH=$PWD/src${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 TQDM_MININTERVAL=5
-if ! "$PY" -c "import fastapi, uvicorn, pydantic, soundfile" 2>/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    "${BENCH_WHEELS:-.whl}"/*.whl \
-    && export PYTHONPATH=/tmp/site:$PYTHONPATH || { echo "wheel install failed"; exit 1; }
-fi
+. scripts/device_env.sh
 echo "[$((SECONDS - T0)) s] python ready"
 
 MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
