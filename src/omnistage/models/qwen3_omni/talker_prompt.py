@@ -19,6 +19,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnistage.models.qwen3_omni.prompt import PromptInputs
+from omnistage.models.qwen3_omni.rope_index import MRope, RopeSpec, mrope_positions
+
 
 @dataclass(frozen=True)
 class TalkerTokens:
@@ -34,6 +37,8 @@ class TalkerTokens:
     codec_pad: int
     codec_bos: int
     speakers: dict[str, int]
+    tts_pad: int = 0
+    rope: RopeSpec | None = None  # the talker's position rule (3-D with images / videos)
 
     @classmethod
     def from_config(cls, config) -> TalkerTokens:
@@ -44,7 +49,8 @@ class TalkerTokens:
             multimodal=(th.audio_token_id, th.image_token_id, th.video_token_id),
             codec_nothink=tk.codec_nothink_id, codec_think_bos=tk.codec_think_bos_id,
             codec_think_eos=tk.codec_think_eos_id, codec_pad=tk.codec_pad_id, codec_bos=tk.codec_bos_id,
-            speakers={k.lower(): v for k, v in tk.speaker_id.items()},
+            speakers={k.lower(): v for k, v in tk.speaker_id.items()}, tts_pad=config.tts_pad_token_id,
+            rope=RopeSpec.from_config(config, "talker"),
         )
 
     def speaker_id(self, speaker: str) -> int:
@@ -104,6 +110,18 @@ def prompt_embeds(talker: nn.Module, tokens: TalkerTokens, prompt_ids: torch.Ten
     a = assistant_start(prompt_ids, tokens)
     users = user_rows(talker, tokens, prompt_ids, thinker_embeds, mm_hidden)
     return torch.cat([users, assistant_rows(talker, tokens, thinker_embeds[a:a + 3], first_text, speaker)])
+
+
+def prompt_mrope(tokens: TalkerTokens, prompt_ids: torch.Tensor, prompt: PromptInputs) -> MRope | None:
+    """3-D positions of the talker prompt (None: 1-D), as transformers computes them: over the user-turn
+    ids and 9 `tts_pad` ids, with all the request's image / video grids and audio lengths. NOTE: never
+    with use_audio_in_video (transformers does not pass it on to the talker), so a video with its
+    audio track reads as an audio there; the talker's decode then goes on at index + delta."""
+    if prompt.image_grid_thw is None and prompt.video_grid_thw is None:
+        return None
+    ids = prompt_ids[user_mask(prompt_ids, tokens)].tolist() + [tokens.tts_pad] * 9
+    return mrope_positions(ids, tokens.rope, prompt.image_grid_thw, prompt.video_grid_thw,
+                           prompt.video_second_per_grid, prompt.audio_feature_lens)
 
 
 def next_text_row(talker: nn.Module, thinker_embed: torch.Tensor | None, final: bool = False) -> torch.Tensor:
