@@ -13,7 +13,7 @@ argmax (`sample` picks per row), and truncation with neutral parameters removes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ class FrameBatch:
     seeds: list[int]
     frame_index: list[int]
     seen: torch.Tensor
+    mropes: list[Any] = field(default_factory=list)  # each request's MRope (3-D positions) or None
 
 
 class TalkerGraphRunner:
@@ -60,6 +61,7 @@ class TalkerGraphRunner:
         self.hidden = torch.zeros_like(self.inputs)  # the head graphs' input: a prefill's last talker hidden
         self.ints = torch.zeros(2 + len(_INTS) + 1, rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
+        self.rope_delta = torch.zeros(rows, dtype=torch.float32, device=dev)  # M-RoPE: position = index + delta
         self.last_index = torch.arange(rows, device=dev)
         self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
         self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
@@ -116,6 +118,8 @@ class TalkerGraphRunner:
                 col(ignore_eos)]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
         self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        deltas = [0.0 if m is None else m.delta for m in batch.mropes]
+        self.rope_delta[:b].copy_(torch.tensor(deltas + [0.0] * (b - len(deltas))), non_blocking=True)
         if rows is not None:
             rows_buf[:n].copy_(rows)
         rows_buf[n:b].zero_()
@@ -130,7 +134,8 @@ class TalkerGraphRunner:
     def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`Talker.step` on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
         with forward_context(self.context.context(b, w)):
-            return self.talker.step(self.inputs[:b], self.ints[0, :b], self.last_index[:b], self._sampling(b),
+            return self.talker.step(self.inputs[:b], self.ints[0, :b] + self.rope_delta[:b], self.last_index[:b],
+                                    self._sampling(b),
                                     self.ints[1, :b], self.seen[:b], self.ints[4, :b] != 0)
 
     def _head(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,7 +17,14 @@ from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.sampling import SamplingTensors
-from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, next_text_row, prompt_embeds, text_rows
+from omnistage.models.qwen3_omni.rope_index import MRope, flat_positions
+from omnistage.models.qwen3_omni.talker_prompt import (
+    TalkerTokens,
+    next_text_row,
+    prompt_embeds,
+    prompt_mrope,
+    text_rows,
+)
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
@@ -34,6 +41,7 @@ class TalkerSeq:
     frames: int = 0
     num_computed: int = 0
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
+    mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
 
     def next_text(self) -> tuple[torch.Tensor | None, bool] | None:
         """The text side of the input after the last frame, as `text_rows` takes it (transformers'
@@ -116,7 +124,7 @@ class TalkerStage:
                              arrive(p.embeds, self.device).to(self.dtype), mm,
                              next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
         seen = torch.zeros(self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
-        seq = TalkerSeq(req, rows, seen)
+        seq = TalkerSeq(req, rows, seen, mrope=prompt_mrope(self.tokens, p.prompt_ids, req.prompt))
         self.seqs[req.request_id] = seq
         self.waiting.append(seq)
 
@@ -167,7 +175,7 @@ class TalkerStage:
         return FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
                           [s.num_computed for s in seqs], [self.blocks.tables[s.req.request_id] for s in seqs],
                           [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
-                          [s.frames for s in seqs], torch.stack([s.seen for s in seqs]))
+                          [s.frames for s in seqs], torch.stack([s.seen for s in seqs]), [s.mrope for s in seqs])
 
     def _run(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(frames [B, G], codec_embeds [B, H]): a decode batch through the runner's graph, a prefill batch
@@ -186,8 +194,7 @@ class TalkerStage:
 
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden."""
-        positions = torch.cat([torch.arange(c, c + n, device=self.device)
-                               for c, n in zip(fb.num_computed, fb.lens)])
+        positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
         last = torch.tensor(fb.lens, device=self.device).cumsum(0) - 1
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
