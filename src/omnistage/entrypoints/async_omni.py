@@ -72,7 +72,7 @@ class AsyncOmni:
         try:
             req = await loop.run_in_executor(None, lambda: self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
-                sampling=sampling, talker_sampling=talker_sampling, emit=emit))
+                sampling=sampling, talker_sampling=talker_sampling, emit=emit, use_audio_in_video=use_audio_in_video))
             self.admission.add_tokens(len(req.prompt.input_ids))
             tokens = len(req.prompt.input_ids)
             self.engine.add_request(req)

@@ -53,19 +53,34 @@ class Omni:
 
     def chat(self, messages: list | None = None, *, prompt_token_ids: list | None = None,
              modalities: list[str] = ("text", "audio"), voice: str | list[str] = "Ethan", sampling: Any = None,
-             talker_sampling: Any = None) -> ChatResult | list[ChatResult]:
+             talker_sampling: Any = None, use_audio_in_video: bool | list[bool] = False,
+             mm_processor_kwargs: dict | list[dict] | None = None) -> ChatResult | list[ChatResult]:
+        """One conversation (or a list of them, run batched). Media parts as `omnistage.media` reads them;
+        `use_audio_in_video` (or `mm_processor_kwargs={"use_audio_in_video": ...}`): videos bring their
+        audio track. Per-request values may be lists."""
         batched = (messages is not None and messages and isinstance(messages[0], list)) or (
             prompt_token_ids is not None and prompt_token_ids and isinstance(prompt_token_ids[0], list))
         convs = (messages if batched else [messages]) if messages is not None else None
         ids = (prompt_token_ids if batched else [prompt_token_ids]) if prompt_token_ids is not None else None
         n = len(convs if convs is not None else ids)
         results = [ChatResult() for _ in range(n)]
-        reqs = [self.engine.make_request(uuid.uuid4().hex, None if convs is None else convs[i], None if ids is None else ids[i],
-                                  want_audio="audio" in modalities, voice=v, sampling=s, talker_sampling=t,
-                                  emit=results[i].add)
-                for i, (v, s, t) in enumerate(zip(_per_request(voice, n, "voice"), _per_request(sampling, n, "sampling"),
-                                                  _per_request(talker_sampling, n, "talker_sampling")))]
+        per = [_per_request(v, n, name) for v, name in (
+            (voice, "voice"), (sampling, "sampling"), (talker_sampling, "talker_sampling"),
+            (use_audio_in_video, "use_audio_in_video"), (mm_processor_kwargs, "mm_processor_kwargs"))]
+        reqs = [self.engine.make_request(uuid.uuid4().hex, None if convs is None else convs[i],
+                                         None if ids is None else ids[i], want_audio="audio" in modalities,
+                                         voice=v, sampling=s, talker_sampling=t, emit=results[i].add,
+                                         use_audio_in_video=_audio_in_video(u, mm))
+                for i, (v, s, t, u, mm) in enumerate(zip(*per))]
         for req in reqs:
             self.engine.add_request(req)
         self.engine.wait([r.request_id for r in reqs])
         return results if batched else results[0]
+
+
+def _audio_in_video(flag: bool, mm_processor_kwargs: dict | None) -> bool:
+    mm = dict(mm_processor_kwargs or {})
+    unknown = set(mm) - {"use_audio_in_video"}
+    if unknown:
+        raise ValueError(f"mm_processor_kwargs: unsupported keys {sorted(unknown)} (only use_audio_in_video)")
+    return bool(mm.get("use_audio_in_video", flag))

@@ -81,11 +81,13 @@ class Orchestrator:
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
-                     emit: Callable[[OutputDelta], None]) -> Request:
-        """A request from chat messages (through the processor) or prompt ids; sampling as objects or dicts."""
+                     emit: Callable[[OutputDelta], None], use_audio_in_video: bool = False) -> Request:
+        """A request from chat messages (through the processor) or prompt ids; sampling as objects or dicts.
+        `use_audio_in_video`: videos bring their audio track, interleaved with their frames."""
         if (messages is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of messages and prompt_token_ids")
-        prompt = PromptInputs(list(prompt_token_ids)) if messages is None else self.processor(messages)
+        prompt = (PromptInputs(list(prompt_token_ids)) if messages is None
+                  else self.processor(messages, use_audio_in_video))
         sp = from_dict(SamplingParams, sampling)
         tp = from_dict(TalkerSamplingParams, talker_sampling)
         voice = voice or "Ethan"
