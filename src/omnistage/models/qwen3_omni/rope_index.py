@@ -191,7 +191,7 @@ def flat_positions(spans: Sequence[tuple[int, int]], mropes: Sequence[MRope | No
     cols = []
     for (c, n), m in zip(spans, mropes):
         length, delta = (0, 0.0) if m is None else (m.positions.shape[1], m.delta)
-        later = torch.arange(max(c, length), c + n) + torch.tensor(delta, dtype=torch.float32)
+        later = torch.arange(min(max(c, length), c + n), c + n) + torch.tensor(delta, dtype=torch.float32)
         if c < length:
             cols.append(m.positions[:, c:c + n])
         cols.append(later.expand(3, -1))

@@ -1,0 +1,110 @@
+"""3-D M-RoPE positions (`rope_index`) against transformers' `get_rope_index` on random prompt layouts, the
+video patch layout against the video processor's, and flat batch positions."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from conftest import hf_reference
+
+from omnistage.models.qwen3_omni.presets import MM_IDS
+from omnistage.models.qwen3_omni.prompt import video_patches
+from omnistage.models.qwen3_omni.rope_index import MRope, RopeSpec, audio_token_count, flat_positions, mrope_positions
+
+M = {k[:-9]: v for k, v in MM_IDS.items()}  # "audio", "image", "video", "vision_start", ...
+
+
+def layout(rng: random.Random, with_audio_in_video: bool):
+    """Random text / audio / image / video (/ video with its audio) segments: ids, grids, seconds, mel frames."""
+    ids, images, videos, seconds, mels = [1, 2, 3], [], [], [], []
+    kinds = ["text", "audio", "image", "video", "both" if with_audio_in_video else "video"]
+    for _ in range(rng.randint(0, 4)):
+        kind = rng.choice(kinds)
+        if kind == "text":
+            ids += [rng.randint(10, 1000) for _ in range(rng.randint(1, 5))]
+        elif kind == "audio":
+            mels.append(rng.randint(20, 450))
+            ids += [M["audio_start"], *[M["audio"]] * audio_token_count(mels[-1], 50), M["audio_end"]]
+        else:
+            grid = [1 if kind == "image" else rng.randint(1, 3), 2 * rng.randint(1, 4), 2 * rng.randint(1, 4)]
+            tokens = [M["image" if kind == "image" else "video"]] * (grid[0] * grid[1] * grid[2] // 4)
+            (images if kind == "image" else videos).append(grid)
+            if kind != "image":
+                seconds.append(rng.choice([2.0, 1.0, 0.5, 2 / 3, 0.4, 2 / 7]))
+            if kind == "both":
+                mels.append(rng.randint(20, 450))
+                body = tokens + [M["audio"]] * audio_token_count(mels[-1], 50)
+                rng.shuffle(body)  # only counts and the start markers decide positions
+                ids += [M["vision_start"], M["audio_start"], *body, M["audio_end"], M["vision_end"]]
+            else:
+                ids += [M["vision_start"], *tokens, M["vision_end"]]
+        ids.append(rng.randint(10, 1000))
+    return ids, images, videos, seconds, mels
+
+
+def test_positions_match_transformers_on_random_layouts() -> None:
+    hf = hf_reference("tiny")
+    spec = RopeSpec.from_config(hf.config)
+    checked = {"3d": 0, "fractional": 0, "1d": 0, "refused": 0}
+    for seed in range(300):
+        rng = random.Random(seed)
+        both = rng.random() < 0.5
+        flag = both if rng.random() < 0.8 else not both  # also prompts read with the other flag (the talker)
+        ids, images, videos, seconds, mels = layout(rng, both)
+        grids = [torch.tensor(g) if g else None for g in (images, videos)]
+        spg = torch.tensor(seconds) if seconds else None
+        x = torch.tensor([ids])
+        try:
+            ref, delta = hf.thinker.model.get_rope_index(x, *grids, torch.ones_like(x), flag,
+                                                         torch.tensor(mels) if mels else None, spg)
+        except IndexError:  # a layout read with the other flag can run past the items given: so do we
+            with pytest.raises(IndexError):
+                mrope_positions(ids, spec, *grids, spg, mels, flag)
+            checked["refused"] += 1
+            continue
+        ours = mrope_positions(ids, spec, *grids, spg, mels, flag)
+        if ours is None:
+            assert grids == [None, None] and torch.equal(ref[:, 0], torch.arange(len(ids)).float().expand(3, -1))
+            checked["1d"] += 1
+            continue
+        assert torch.equal(ours.positions, ref[:, 0]), seed
+        assert ours.delta == float(delta), seed
+        checked["3d"] += 1
+        checked["fractional"] += bool((ours.positions.frac() != 0).any())
+    assert min(checked["3d"], checked["fractional"], checked["1d"]) >= 20 and checked["refused"] > 0, checked
+
+
+def test_talker_spec_and_plain_text() -> None:
+    config = hf_reference("tiny").config
+    talker = RopeSpec.from_config(config, "talker")
+    assert talker.spatial_merge_size == config.talker_config.spatial_merge_size
+    assert talker.audio_n_window == config.thinker_config.audio_config.n_window  # the talker config has none
+    assert mrope_positions([1, 2, 3], talker) is None
+
+
+def test_flat_positions() -> None:
+    m = MRope(torch.tensor([[0.0, 1, 2, 2], [0, 1, 2, 3], [0, 1, 3, 2]]), -2.5)
+    assert flat_positions([(3, 1), (0, 2)], [None, None]).tolist() == [3, 0, 1]
+    out = flat_positions([(5, 1), (2, 4), (0, 1)], [None, m, m])
+    assert out.dtype == torch.float32 and out.shape == (3, 6)
+    assert out[:, 0].tolist() == [5.0] * 3 and out[:, 5].tolist() == [0.0] * 3
+    assert out[:, 1:3].tolist() == m.positions[:, 2:4].tolist()
+    assert out[:, 3:5].tolist() == [[1.5, 2.5]] * 3  # past the prompt: index + delta
+
+
+@pytest.mark.parametrize("frames", [1, 4, 5])
+def test_video_patch_layout(frames: int) -> None:
+    """As transformers' Qwen2-VL video processor: (t, h/m, w/m, m, m) rows of (C, temporal, P, P)."""
+    c, tp, p, m, gh, gw = 3, 2, 4, 2, 4, 6
+    video = torch.from_numpy(np.random.default_rng(frames).standard_normal((frames, c, gh * p, gw * p),
+                                                                          dtype=np.float32))
+    # what the image processor writes for each frame: its own patches, repeated `temporal` times
+    per_frame = video.view(frames, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    per_frame = per_frame[..., None, :, :].expand(*per_frame.shape[:6], tp, p, p).reshape(frames * gh * gw, -1)
+    ours, t = video_patches(per_frame.numpy(), frames, tp, c, p)
+    padded = torch.cat([video, video[-1:].expand(-frames % tp, -1, -1, -1)])
+    ref = padded.view(t, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, -1)
+    assert t == -(-frames // tp) and np.array_equal(ours, ref.numpy())
