@@ -21,6 +21,7 @@ from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError
+from omnistage.pipeline.input_checks import check_int64, check_text
 from omnistage.pipeline.placement import Placement, build_stages
 from omnistage.pipeline.router import Router
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
@@ -87,9 +88,10 @@ class Orchestrator:
         if (messages is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of messages and prompt_token_ids")
         prompt = (PromptInputs(list(prompt_token_ids)) if messages is None
-                  else self.processor(messages, use_audio_in_video))
+                  else self.processor(check_text(messages), use_audio_in_video))
         sp = from_dict(SamplingParams, sampling)
         tp = from_dict(TalkerSamplingParams, talker_sampling)
+        check_int64(sp, tp)
         voice = voice or "Ethan"
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
