@@ -167,7 +167,7 @@ class TalkerStage:
             for i, (seq, _) in enumerate(group):
                 seq.seen.copy_(fb.seen[i])
                 seq.num_computed += fb.lens[i]
-                self._advance(seq, frames[i], codec_embeds[i], next(c0))
+                self.faults.run(seq.req, self._advance, seq, frames[i], codec_embeds[i], next(c0))
         return True
 
     def _frame_batch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> FrameBatch:
