@@ -17,7 +17,7 @@ from starlette.requests import ClientDisconnect, Request
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
-from omnistage.server.errors import bad_request, overloaded, public_message, unavailable
+from omnistage.server.errors import OpenAIError, bad_request, overloaded, public_message, unavailable
 from omnistage.server.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -36,13 +36,18 @@ class EngineClient(Protocol):
     async def abort(self, request_id: str) -> None: ...
 
 
-class EngineFailed(RuntimeError):
-    """A stage failed while the request was in flight: its stream finished with finish_reason "error"."""
+class EngineFailed(OpenAIError):
+    """The request failed in a stage while in flight (its stream finished with finish_reason "error"): a
+    500 answered as any OpenAIError, so the connection stays usable (an unhandled error would close it)."""
+
+    def __init__(self) -> None:
+        super().__init__("The server had an error while processing your request.", 500, "server_error")
 
 
 def check_finished(last: OutputDelta) -> None:
     if last.finish_reason == "error":
-        raise EngineFailed(f"request {last.request_id}: the engine failed while it was in flight")
+        logger.error("request %s failed in the engine (its stage logged why)", last.request_id)
+        raise EngineFailed()
 
 
 class RequestClock:
