@@ -218,9 +218,24 @@ def test_parity_on_unseen_shapes(tmp_path) -> None:
     hf = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig.from_pretrained(d)).eval()
     init_reference_weights(hf, 5)
     o = Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu"), device="cpu", seed=5)
+    talker, sent = o.engine.talkers[0], []
+    admit = talker._admit
+    talker._admit = lambda chunk: (sent.append(chunk.prompt), admit(chunk))[1]
     try:
         err = check_parity(o, "", TWO_TURNS, max_tokens=6, frames=10, audio_in_video=True, hf=hf,
                            use_audio_in_video=True)
+        prompt = o.engine.processor(TWO_TURNS, True)
     finally:
         o.engine.shutdown()
-    print(f"[unseen shapes] max |wav - hf| = {err:.2e}")
+    # the accept-layer rows the talker got (layer 1 here: between this config's two DeepStack additions)
+    x = torch.tensor([prompt.input_ids])
+    with torch.no_grad():
+        ref = hf.thinker(input_ids=x, attention_mask=torch.ones_like(x), output_hidden_states=True,
+                         **{k: v for k, v in vars(prompt).items() if k not in ("input_ids", "use_audio_in_video")
+                            and v is not None}, use_audio_in_video=True).hidden_states
+    mm = torch.isin(x[0], torch.tensor([151655, 151656, 151675]))
+    want = ref[hf.config.talker_config.accept_hidden_layer][0][mm]
+    assert hf.config.talker_config.accept_hidden_layer == 1 and len(sent) == 1
+    rel = float((sent[0].mm_hidden - want).abs().max() / want.abs().max())
+    assert sent[0].mm_hidden.shape == want.shape and rel < 1e-5
+    print(f"[unseen shapes] max |wav - hf| = {err:.2e}, accept-layer rows rel err {rel:.1e}")

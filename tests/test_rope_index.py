@@ -35,7 +35,7 @@ def layout(rng: random.Random, with_audio_in_video: bool):
             if kind != "image":
                 seconds.append(rng.choice([2.0, 1.0, 0.5, 2 / 3, 0.4, 2 / 7]))
             if kind == "both":
-                mels.append(rng.randint(20, 450))
+                mels.append(rng.randint(8, 160))  # short tracks too: a track that ends before the frames' rows
                 body = tokens + [M["audio"]] * audio_token_count(mels[-1], 50)
                 rng.shuffle(body)  # only counts and the start markers decide positions
                 ids += [M["vision_start"], M["audio_start"], *body, M["audio_end"], M["vision_end"]]
@@ -49,7 +49,7 @@ def test_positions_match_transformers_on_random_layouts() -> None:
     hf = hf_reference("tiny")
     spec = RopeSpec.from_config(hf.config)
     checked = {"3d": 0, "fractional": 0, "1d": 0, "refused": 0}
-    for seed in range(300):
+    for seed in range(400):
         rng = random.Random(seed)
         both = rng.random() < 0.5
         flag = both if rng.random() < 0.8 else not both  # also prompts read with the other flag (the talker)
