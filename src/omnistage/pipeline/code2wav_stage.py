@@ -1,14 +1,18 @@
 """Code2Wav stage: stateful streaming decode batched across requests; a first chunk of
-`initial_codec_chunk_frames`, then `codec_chunk_frames`; every frame decoded once."""
+`initial_codec_chunk_frames`, then `codec_chunk_frames`; every frame decoded once; one host sync per step."""
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from omnistage.config import StageConfig
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
+from omnistage.pipeline.code2wav_runner import Code2WavGraphRunner
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive
 from omnistage.pipeline.faults import StepFaults
 
@@ -22,8 +26,16 @@ class WavSeq:
 
 class Code2WavStage:
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, initial_chunk_frames: int = 4,
-                 chunk_frames: int = 25) -> None:
+                 chunk_frames: int = 25, cuda_graph: bool = False,
+                 graph_batch_sizes: Sequence[int] = ()) -> None:
+        """`cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
+        `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
+        elsewhere)."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
+        self.runner: Code2WavGraphRunner | None = None
+        if cuda_graph:
+            sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, initial_chunk_frames, chunk_frames)
         self.initial, self.chunk = initial_chunk_frames, chunk_frames
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
@@ -75,16 +87,33 @@ class Code2WavStage:
         self.last_batch = len(ready)
         self.step_requests = [self.seqs[rid][0].request for rid, _ in ready]
         if ready:
-            items = []
-            for _, seq in ready:
-                n = min(len(seq.pending), self._target(seq))
-                items.append((seq.state, torch.stack(seq.pending[:n], 1)))
-                del seq.pending[:n]
-            for (rid, _), (_, codes), wav in zip(ready, items, self.streamer.step(items)):
-                req = self.seqs[rid][0].request
-                req.emit(OutputDelta(rid, audio=wav.float().cpu().numpy(), codes=codes.cpu().numpy()))
+            self._decode(ready)
         for rid in finished:
             req = self.seqs[rid][0].request
             self.abort(rid)
             req.part_done()
         return bool(ready or finished)
+
+    def _decode(self, ready: list[tuple[str, WavSeq]]) -> None:
+        """The next chunk of each ready request, decoded in one batched step; its samples and codes reach
+        the host in one copy each, after one sync."""
+        counts = [min(len(seq.pending), self._target(seq)) for _, seq in ready]
+        last = [seq.done and n == len(seq.pending) for (_, seq), n in zip(ready, counts)]
+        frames = torch.stack([f for (_, seq), n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
+        starts = list(itertools.accumulate(counts, initial=0))
+        items = [(seq.state, frames[a:a + n].t()) for (_, seq), a, n in zip(ready, starts, counts)]
+        for (_, seq), n in zip(ready, counts):
+            del seq.pending[:n]
+        wavs = self.runner.run(items, last) if self.runner is not None else self.streamer.step(items)
+        wav, codes = to_host(torch.cat(wavs).float(), frames)
+        for (rid, _), w, a, n in zip(ready, wav.split([w.numel() for w in wavs]), starts, counts):
+            req = self.seqs[rid][0].request
+            req.emit(OutputDelta(rid, audio=w.numpy().copy(), codes=codes[a:a + n].t().numpy().copy()))
+
+
+def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors on the host: asynchronous copies (pinned memory), then one sync of the current stream."""
+    out = [t.to("cpu", non_blocking=True) for t in tensors]
+    if any(t.is_cuda for t in tensors):
+        torch.cuda.current_stream(tensors[0].device).synchronize()
+    return out
