@@ -239,3 +239,17 @@ def test_parity_on_unseen_shapes(tmp_path) -> None:
     rel = float((sent[0].mm_hidden - want).abs().max() / want.abs().max())
     assert sent[0].mm_hidden.shape == want.shape and rel < 1e-5
     print(f"[unseen shapes] max |wav - hf| = {err:.2e}, accept-layer rows rel err {rel:.1e}")
+
+
+def test_processor_per_item_options() -> None:
+    small = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    parts = [{"type": "image", "image": image(6)}, {"type": "image", "image": image(6), **small},
+             {"type": "image", "image": image(6), "resized_height": 64, "resized_width": 96},
+             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96},
+             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96,
+              "total_pixels": 5 * 1024 // 2}]
+    prompt = omni().engine.processor([{"role": "user", "content": parts}])
+    assert prompt.image_grid_thw.tolist() == [[1, 14, 20], [1, 2, 4], [1, 4, 6]]
+    # 36 x 52 frames -> 32 x 64; with total_pixels spread over 5 frames (1075 per frame) -> 32 x 32
+    assert prompt.video_grid_thw.tolist() == [[3, 2, 4], [3, 2, 2]]
+    assert prompt.input_ids.count(151655) == 70 + 2 + 6 and prompt.input_ids.count(151656) == 6 + 3

@@ -69,6 +69,16 @@ def video_patches(frame_patches: np.ndarray, num_frames: int, temporal: int, cha
     return np.ascontiguousarray(grouped.reshape(t * own.shape[1], -1)), t
 
 
+def _frame_budget(options: dict[str, Any], num_frames: int, temporal: int, size: dict[str, int]
+                  ) -> dict[str, Any]:
+    """`total_pixels` (a whole video's budget) as a per-frame `max_pixels`, as qwen-omni-utils spreads it."""
+    if "total_pixels" not in options:
+        return options
+    low = options.get("min_pixels", size["shortest_edge"])
+    per_frame = min(options.get("max_pixels", size["longest_edge"]), options["total_pixels"] / num_frames * temporal)
+    return {**options, "max_pixels": max(int(per_frame), int(low * 1.05))}
+
+
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None) -> None:
         from transformers import AutoTokenizer, WhisperFeatureExtractor
@@ -90,7 +100,7 @@ class PromptProcessor:
     def process(self, items: MediaItems) -> PromptInputs:
         """Decoded media (`to_conversation`'s): audios in prompt order (with `use_audio_in_video` a
         video's track at its video), images (PIL) and videos (`frames` [T, H, W, 3] uint8 at `fps`) with
-        their options (min_pixels, max_pixels, resized_height with resized_width)."""
+        their options (min_pixels, max_pixels, total_pixels for videos, resized_height with resized_width)."""
         use_audio_in_video = items.use_audio_in_video
         text = self.tokenizer.apply_chat_template(items.conversation, add_generation_prompt=True, tokenize=False)
         found = re.findall("|".join(map(re.escape, _PADS)), text)
@@ -158,7 +168,8 @@ class PromptProcessor:
         ip, patches, grids = self.image_processor, [], []
         for video, opt in zip(videos, options):
             frames = list(video.frames)
-            done = self._pixels(frames, opt, self.video_size)
+            done = self._pixels(frames, _frame_budget(opt, len(frames), ip.temporal_patch_size, self.video_size),
+                                self.video_size)
             p, t = video_patches(done["pixel_values"], len(frames), ip.temporal_patch_size, 3, ip.patch_size)
             patches.append(p)
             grids.append([t, *done["image_grid_thw"][0, 1:].tolist()])
