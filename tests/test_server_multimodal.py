@@ -1,19 +1,23 @@
 """Media parts through the real server with the openai client: fetched, local and inline audio give the
-same prompt; every media error is a 400 in OpenAI's shape whose message and param name the item."""
+same prompt; images, videos and a video's audio track answer with text and audio; every media error is a
+400 in OpenAI's shape whose message and param name the item."""
 
 from __future__ import annotations
 
 import base64
 import functools
+import io
 import threading
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
 import openai
 import pytest
-from media_samples import data_url, mp4_bytes
-
+import soundfile as sf
+from media_samples import data_url, mp4_bytes, png_bytes
 from serve_process import KEY, MODEL
+
+from omnistage.media import to_conversation
 
 pytest_plugins = ["serve_fixtures"]
 
@@ -85,3 +89,30 @@ def test_too_many_items_and_private_urls(client, servers, media_url):
     assert "private, loopback or link-local address (allowed only with --allow-private-media-urls)" in message
     assert "local files are not allowed" in bad(keyed, {"type": "audio", "audio": "tone.wav"})
     assert httpx.get(servers[0].url + "/health").status_code == 200
+
+
+def spoken(client: openai.OpenAI, *parts: dict, **extra):
+    reply = client.chat.completions.create(
+        model=MODEL, max_tokens=3, temperature=0, modalities=["text", "audio"], audio={"voice": "Ethan", "format": "wav"},
+        extra_body={"max_audio_frames": 3, **extra},
+        messages=[{"role": "user", "content": [*parts, {"type": "text", "text": "What is it?"}]}])
+    wav = base64.b64decode(reply.choices[0].message.audio.data)
+    assert reply.choices[0].message.content and wav[:4] == b"RIFF" and len(wav) > 44
+    return reply
+
+
+def test_image_and_video_requests(client, media_url):
+    text_only = spoken(client).usage.prompt_tokens
+    image = spoken(client, {"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 64), "image/png")}})
+    clip = data_url(mp4_bytes(20, 10, audio_seconds=2.0), "video/mp4")
+    video = spoken(client, {"type": "video_url", "video_url": {"url": clip}})
+    both = spoken(client, {"type": "video", "video": clip}, mm_processor_kwargs={"use_audio_in_video": True})
+    assert text_only < image.usage.prompt_tokens and text_only < video.usage.prompt_tokens
+    track = to_conversation([{"role": "user", "content": [{"type": "video", "video": clip}]}],
+                            use_audio_in_video=True).audios[0]
+    buf = io.BytesIO()
+    sf.write(buf, track, 16000, format="WAV", subtype="FLOAT")
+    apart = spoken(client, {"type": "video", "video": clip}, {"type": "audio", "audio": data_url(buf.getvalue(), "a")})
+    assert both.usage.prompt_tokens == apart.usage.prompt_tokens > video.usage.prompt_tokens + 20  # the track's rows
+    message = bad(client, {"type": "video", "video": data_url(mp4_bytes(), "video/mp4")}, use_audio_in_video=True)
+    assert "messages[0].content[0] (video): no audio track (use_audio_in_video needs one)" in message
