@@ -95,6 +95,7 @@ def test_limits(base):
     assert time.monotonic() - start < 1.5
     refused(base + "/missing", LOOPBACK, "URL answered HTTP 404")
     refused("http://127.0.0.1:1/x.wav", LOOPBACK, "cannot fetch URL (connection failed)")
+    refused(base.replace("http:", "https:") + "/tone.wav", LOOPBACK, "connection failed")  # no TLS there
     refused("http://no-such-host.invalid/x.wav", LOOPBACK, "cannot resolve the URL's host")
     refused("http://127.0.0.1:99999/x.wav", LOOPBACK, "invalid port")
     refused(base + "/a b\u00e9.wav", LOOPBACK, "URL is not valid")
