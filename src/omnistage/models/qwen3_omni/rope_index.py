@@ -52,10 +52,10 @@ class RopeSpec:
 
 
 def audio_token_count(feature_len: int, n_window: int) -> int:
-    """Audio encoder output tokens for `feature_len` mel frames (transformers' formula)."""
-    chunk = 2 * n_window
-    rest = (feature_len % chunk - 1) // 2 + 1
-    return ((rest - 1) // 2 + 1 - 1) // 2 + 1 + (feature_len // chunk) * 13
+    """Audio encoder output tokens for `feature_len` mel frames."""
+    from transformers.models.qwen3_omni_moe.processing_qwen3_omni_moe import _get_feat_extract_output_lengths
+
+    return int(_get_feat_extract_output_lengths(int(feature_len), n_window))
 
 
 class _Layout:
