@@ -1,5 +1,5 @@
-"""Soak test: a steady mix of clients against `omnistage serve` on the tiny checkpoint for a while, checking that
-every request ends as it should and that memory and KV usage stay flat.
+"""Soak test: a steady mix of clients against `omnistage serve` on the tiny checkpoint for a while, checking
+that every request ends as it should and that memory and KV usage stay flat.
 
     python scripts/soak.py --duration 600 --concurrency 16 --out soak.json      # the 10-minute run
     python scripts/soak.py --duration 60                                         # CI's (tests/test_soak.py)
@@ -36,9 +36,10 @@ AUDIO = {"modalities": ["text", "audio"], "max_audio_frames": FRAMES, "talker": 
 BAD = [{"messages": []}, {"messages": USER, "max_tokens": 0}, {"messages": USER, "temperature": "hot"},
        {"messages": USER, "frobnicate": 1}, {"messages": USER, **AUDIO, "audio": {"voice": "nobody"}},
        {"messages": USER, "seed": 2**64}, {"messages": USER, "max_tokens": 10**9},
-       {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}}]}]},
-       {"messages": [{"role": "user", "content": [{"type": "audio_url", "audio_url": {"url": "http://127.0.0.1/"}}]}]},
-       {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}]}]
+       *({"messages": [{"role": "user", "content": [part]}]} for part in (
+           {"type": "audio_url", "audio_url": {"url": "file:///etc/passwd"}},
+           {"type": "audio_url", "audio_url": {"url": "http://127.0.0.1/"}},
+           {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}))]
 KINDS = [("stream", 40), ("text", 20), ("speech", 15), ("drop", 10), ("bad", 10), ("fault", 5)]
 
 
@@ -67,7 +68,8 @@ def serve_with_faults(serve_args: list[str]) -> None:
             raise RuntimeError("injected talker fault")
         return advance(self, seq, *args)
 
-    Orchestrator.make_request, ThinkerStage._append, TalkerStage._advance = mark, faulty_append, faulty_advance
+    Orchestrator.make_request = mark
+    ThinkerStage._append, TalkerStage._advance = faulty_append, faulty_advance
     serve(add_serve_args(argparse.ArgumentParser()).parse_args(serve_args))
 
 
@@ -102,7 +104,8 @@ class Soak:
 
     def _stream(self, http: httpx.Client, text: str = "Tell me about the sea.", drop: bool = False) -> tuple:
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": TOKENS, "ignore_eos": True,
-                **AUDIO, "audio": {"format": "pcm16"}, "stream": True, "stream_options": {"include_usage": True}}
+                **AUDIO, "audio": {"format": "pcm16"}, "stream": True,
+                "stream_options": {"include_usage": True}}
         pcm, events = 0, []
         with http.stream("POST", "/v1/chat/completions", json=body) as r:
             for line in r.iter_lines():
@@ -158,7 +161,8 @@ def sample(url: str) -> dict:
 
     rss = re.search(r"^process_resident_memory_bytes (\S+)", text, re.M)
     return {"t": time.monotonic(), "kv_in_use": per_stage("omnistage_kv_cache_blocks_in_use"),
-            "active": per_stage("omnistage_stage_requests_active"), "rss_mb": float(rss[1]) / 2**20 if rss else 0}
+            "active": per_stage("omnistage_stage_requests_active"),
+            "rss_mb": float(rss[1]) / 2**20 if rss else 0}
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -181,13 +185,21 @@ def run(args: argparse.Namespace) -> dict:
     rss = [s["rss_mb"] for s in samples]
     k = max(1, len(rss) // 5)
     early, late = sum(rss[k:2 * k]) / k, sum(rss[-k:]) / k  # after warm-up vs the end
+
+    def kv_mean(window: list[dict]) -> dict[str, float]:
+        return {s: round(sum(x["kv_in_use"].get(s, 0) for x in window) / len(window), 1)
+                for s in idle["kv_in_use"]}
     return {"duration_s": args.duration, "concurrency": args.concurrency,
-            "outcomes": {f"{kind} {'ok' if ok else 'UNEXPECTED'}": n for (kind, ok), n in sorted(soak.outcomes.items())},
+            "outcomes": {f"{kind} {'ok' if ok else 'UNEXPECTED'}": n
+                         for (kind, ok), n in sorted(soak.outcomes.items())},
             "requests": sum(soak.outcomes.values()), "unexpected": soak.unexpected,
             "kv_in_use_peak": {s: max(x["kv_in_use"].get(s, 0) for x in samples) for s in idle["kv_in_use"]},
+            "kv_in_use_mean": {"early": kv_mean(samples[k:2 * k]), "late": kv_mean(samples[-k:])},
             "kv_in_use_idle": idle["kv_in_use"], "active_idle": idle["active"],
             "rss_mb": {"early": round(early, 1), "late": round(late, 1), "max": round(max(rss), 1),
-                       "growth": round(late - early, 1)}, "samples": len(samples)}
+                       "growth": round(late - early, 1),
+                       "series": [round(x) for x in rss[::max(1, len(rss) // 12)]]},
+            "samples": len(samples)}
 
 
 def main(argv: list[str] | None = None) -> int:
