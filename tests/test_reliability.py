@@ -63,7 +63,8 @@ def assert_complete(result: ChatResult) -> None:
 
 def assert_all_free(o: Omni) -> None:
     deadline = time.monotonic() + 5
-    while time.monotonic() < deadline and any(s["active"] or s.get("kv_blocks_used") for s in o.engine.stats().values()):
+    while time.monotonic() < deadline and any(s["active"] or s.get("kv_blocks_used")
+                                              for s in o.engine.stats().values()):
         time.sleep(0.01)
     for name, s in o.engine.stats().items():
         assert s["active"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
@@ -127,8 +128,10 @@ def _raise_once(monkeypatch, obj: object, name: str, error: BaseException, stage
 @pytest.mark.parametrize("where", ["thinker", "talker", "code2wav"])
 def test_a_failed_batched_step_fails_its_requests_and_the_engine_goes_on(monkeypatch, where):
     o = shared()
-    stage = {"thinker": o.engine.thinker, "talker": o.engine.talkers[0], "code2wav": o.engine.code2wavs[0]}[where]
-    obj, name = {"thinker": lambda: (stage.thinker.model, "forward"), "talker": lambda: (stage.talker, "step"),
+    e = o.engine
+    stage = {"thinker": e.thinker, "talker": e.talkers[0], "code2wav": e.code2wavs[0]}[where]
+    obj, name = {"thinker": lambda: (stage.thinker.model, "forward"),
+                 "talker": lambda: (stage.talker, "step"),
                  "code2wav": lambda: (stage.streamer, "step")}[where]()
     state = _raise_once(monkeypatch, obj, name, torch.OutOfMemoryError("injected"), stage)
     ids = ["b0", "b1", "b2"]
@@ -221,7 +224,8 @@ def test_dropped_streams_are_aborted_in_every_stage_within_a_step():
         def counted_step(w=w, step=step) -> bool:
             steps[w.name] += 1
             busy = step()
-            in_later_step.extend(r.request_id for r in w.stage.step_requests if r.request_id in processed[w.name])
+            in_later_step.extend(r.request_id for r in w.stage.step_requests
+                                 if r.request_id in processed[w.name])
             return busy
 
         def recorded_abort(rid: str, w=w, abort=abort) -> None:

@@ -61,14 +61,16 @@ def test_api_key_guards_every_v1_route(monkeypatch):
     client = http(Engine(), api_key=KEY)
     routes = [(m, r.path.replace("{model_id:path}", "m")) for r in client.app.routes
               if r.path.startswith("/v1") for m in r.methods]
-    assert {p for _, p in routes} == {"/v1/models", "/v1/models/m", "/v1/chat/completions", "/v1/audio/speech"}
-    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": KEY}, {"Authorization": f"Basic {KEY}"},
-                    {"Authorization": f"Bearer {KEY}x"}, {"Authorization": f"Bearer {KEY[:-1]}"}):
+    assert {p for _, p in routes} == {"/v1/models", "/v1/models/m", "/v1/chat/completions",
+                                      "/v1/audio/speech"}
+    for value in (None, "Bearer nope", KEY, f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}"):
+        headers = {} if value is None else {"Authorization": value}
         for method, path in routes:
             error = assert_openai_error(client.request(method, path, headers=headers, json={}), 401)
             assert error["code"] == "invalid_api_key" and KEY not in str(error)
     for scheme in ("Bearer", "bearer"):
-        r = client.post("/v1/chat/completions", headers={"Authorization": f"{scheme} {KEY}"}, json={"messages": USER})
+        r = client.post("/v1/chat/completions", headers={"Authorization": f"{scheme} {KEY}"},
+                        json={"messages": USER})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == "Hi"
     assert client.get("/health").status_code == 200 and client.get("/metrics").status_code == 200
     monkeypatch.setenv("OMNISTAGE_API_KEY", "from-env")
@@ -80,7 +82,8 @@ def test_body_limit_with_and_without_content_length():
     small = {"messages": USER}
     big = {"messages": [{"role": "user", "content": "x" * 3000}]}
     assert client.post("/v1/chat/completions", json=small).status_code == 200
-    assert assert_openai_error(client.post("/v1/chat/completions", json=big), 413)["code"] == "request_too_large"
+    error = assert_openai_error(client.post("/v1/chat/completions", json=big), 413)
+    assert error["code"] == "request_too_large"
     def chunked():  # no Content-Length: the limit counts what arrives
         data = json.dumps(big).encode()
         for i in range(0, len(data), 500):
@@ -93,7 +96,7 @@ def test_body_limit_with_and_without_content_length():
 def test_error_messages_carry_no_server_paths():
     refused = http(Engine(refuse=ValueError(f"cannot decode {SECRET_PATH}: bad header")))
     error = assert_openai_error(refused.post("/v1/chat/completions", json={"messages": USER}), 400)
-    assert "omnistage-secret" not in error["message"] and error["message"] == "cannot decode <path>: bad header"
+    assert error["message"] == "cannot decode <path>: bad header"
     failing = http(Engine(fail=RuntimeError(f"{SECRET_PATH} exploded")))
     error = assert_openai_error(failing.post("/v1/chat/completions", json={"messages": USER}), 500)
     assert error["type"] == "server_error" and "omnistage-secret" not in error["message"]
@@ -172,11 +175,16 @@ def test_dropped_streams_give_everything_back(server):
     with ThreadPoolExecutor(16) as pool:
         assert all(pool.map(lambda _: drop(), range(16)))
     deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and (any(gauges(server, "omnistage_stage_requests_active").values())
-                                           or any(gauges(server, "omnistage_kv_cache_blocks_in_use").values())):
+    def held() -> tuple[dict, dict]:
+        active = gauges(server, "omnistage_stage_requests_active")
+        return active, gauges(server, "omnistage_kv_cache_blocks_in_use")
+
+    while time.monotonic() < deadline and any(v for g in held() for v in g.values()):
         time.sleep(0.05)
-    active, used = gauges(server, "omnistage_stage_requests_active"), gauges(server, "omnistage_kv_cache_blocks_in_use")
-    assert set(active) == {"thinker", "talker", "code2wav"} and not any(active.values()) and not any(used.values())
+    active, used = held()
+    assert set(active) == {"thinker", "talker", "code2wav"} and set(used) == {"thinker", "talker"}
+    assert not any(active.values()) and not any(used.values())
     assert server.log.read_text().count("stopped before it finished") == before + 16
-    reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 3}, timeout=60)
+    reply = httpx.post(server.url + "/v1/chat/completions", json={"messages": USER, "max_tokens": 3},
+                       timeout=60)
     assert reply.json()["usage"]["completion_tokens"] == 3

@@ -122,8 +122,8 @@ class ServerMetrics:
         self.active = Gauge(f"{p}_stage_requests_active", "Requests the stage holds.", ("stage",))
         self.failed = Counter(f"{p}_stage_requests_failed_total", "Requests failed by a fault in the stage.",
                               ("stage",))
-        self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs yet.")
-        self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Prompt tokens of waiting requests.")
+        self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
+        self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
