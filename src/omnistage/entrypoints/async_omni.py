@@ -34,7 +34,8 @@ class Admission:
 
     def add_tokens(self, n: int) -> None:
         if n > self.max_tokens:
-            raise ValueError(f"the prompt ({n} tokens) exceeds the server's limit of {self.max_tokens} tokens")
+            raise ValueError(f"the prompt ({n} tokens) exceeds the server's limit of {self.max_tokens} "
+                             "tokens")
         if self.tokens + n > self.max_tokens:
             raise EngineOverloaded(f"the server is overloaded: {self.tokens} prompt tokens are waiting; "
                                    "retry later")
