@@ -4,6 +4,7 @@ the live rows' slots and the scratch slot, and CUDA-graph capture emulated on th
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -61,3 +62,16 @@ class EmulatedGraphs:
 
     def replay(self, key):
         return self.fns[key]()
+
+
+def settle(check: Callable[[], None], timeout: float = 30.0) -> None:
+    """Retry `check` (assertions) until it passes, for at most `timeout` s: workers drain aborts at their own
+    pace (a step in flight finishes first, which takes long on a loaded machine)."""
+    deadline = time.time() + timeout
+    while True:
+        try:
+            return check()
+        except AssertionError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.05)

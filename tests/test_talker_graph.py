@@ -21,7 +21,7 @@ from omnistage.layers.context import build_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
 import graph_helpers
-from graph_helpers import EmulatedGraphs
+from graph_helpers import EmulatedGraphs, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -170,13 +170,16 @@ def test_aborts_free_everything() -> None:
     deadline = time.time() + 60
     while o.engine.requests and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # every worker drains its aborts
     e = o.engine
-    assert not e.requests and e.thinker.blocks.num_used == 0 and not e.thinker.running
-    assert stage.blocks.num_used == 0 and not stage.seqs and len(stage.blocks.free) == total
+
+    def all_free() -> None:
+        assert not e.requests and e.thinker.blocks.num_used == 0 and not e.thinker.running
+        assert stage.blocks.num_used == 0 and not stage.seqs and len(stage.blocks.free) == total
+        for c in e.code2wavs:
+            assert not c.seqs and len(c.streamer.cache.free_slots) == c.max_batch_size
+
+    settle(all_free)
     assert stage.runner.context.scratch not in stage.blocks.free  # still reserved, still out of the pool
-    for c in e.code2wavs:
-        assert not c.seqs and len(c.streamer.cache.free_slots) == c.max_batch_size
     talker = [{"temperature": 0, "max_frames": 17, "ignore_eos": True}] * 2
     again, eager = chat(o, 2, talker), chat(omni(False), 2, talker)
     for a, b in zip(again, eager):

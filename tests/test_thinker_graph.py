@@ -16,7 +16,7 @@ from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 import graph_helpers
-from graph_helpers import EmulatedGraphs
+from graph_helpers import EmulatedGraphs, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -110,8 +110,11 @@ def test_aborts_free_everything() -> None:
     deadline = time.time() + 60
     while o.engine.requests and time.time() < deadline:
         time.sleep(0.05)
-    time.sleep(0.5)  # every worker drains its aborts
-    assert not o.engine.requests and stage.blocks.num_used == 0 and not stage.running and not stage.waiting
+
+    def all_free() -> None:
+        assert not o.engine.requests and stage.blocks.num_used == 0 and not stage.running and not stage.waiting
+
+    settle(all_free)
     assert len(stage.blocks.free) == total and stage.runner.context.scratch not in stage.blocks.free
     sampling = [{"temperature": 0, "max_tokens": 11, "ignore_eos": True}] * 2
     again, eager = chat(o, 2, sampling, audio=False), chat(omni(False), 2, sampling, audio=False)

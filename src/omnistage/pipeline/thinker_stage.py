@@ -104,14 +104,23 @@ class ThinkerStage:
         self.step_requests = [s.req for s, _ in batch]
         if not batch:
             return False
-        if self.runner is not None and not any(s.in_prefill for s, _ in batch):
-            seqs = [s for s, _ in batch]
-            out = self.runner.run(seqs, [self.blocks.tables[s.req.request_id] for s in seqs])
-            if out is not None:
-                for seq in seqs:
-                    seq.num_computed += 1
-                self._emit(seqs, *out)
-                return True
+        seqs = [s for s, _ in batch if not s.in_prefill]
+        prefills = [(s, n) for s, n in batch if s.in_prefill]
+        out = self.runner.run(seqs, [self.blocks.tables[s.req.request_id] for s in seqs]) if (
+            self.runner is not None and seqs) else None
+        if out is None:
+            self._forward(batch)
+            return True
+        # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly beside it.
+        for seq in seqs:
+            seq.num_computed += 1
+        if prefills:
+            self._forward(prefills)
+        self._emit(seqs, *out)
+        return True
+
+    def _forward(self, batch: list[tuple[ThinkerSeq, int]]) -> None:
+        """An eager step over any mix of decodes and prefill chunks; samples the rows that need a token."""
         # NOTE: `_schedule` puts decodes first: their rows are one embedding lookup, then prefill slices.
         decode_ids = [s.output_ids[-1] for s, _ in batch if not s.in_prefill]
         rows = [self.thinker.model.embed_tokens(torch.tensor(decode_ids, device=self.device))] if decode_ids else []
@@ -135,7 +144,6 @@ class ThinkerStage:
                 samplers.append((seq, offset - 1))
         if samplers:
             self._sample(samplers, hidden)
-        return True
 
     def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor) -> None:
         seqs = [s for s, _ in samplers]
