@@ -185,3 +185,17 @@ def test_aborts_free_everything() -> None:
     for a, b in zip(again, eager):
         assert np.array_equal(a.codes, b.codes)
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-6)
+
+
+def test_capture_at_start_then_replay() -> None:
+    runner = omni(True).engine.talkers[0].runner
+    runner.graphs = EmulatedGraphs()
+    talker = [{"temperature": 0, "max_frames": f, "ignore_eos": True} for f in (11, 6)]
+    try:
+        runner.capture([5])  # every batch bucket: its head graph and its step graph at width 5 -> bucket 8
+        assert set(runner.graphs.fns) == {("head", b) for b in SIZES} | {(b, 8) for b in SIZES}
+        ran = chat(omni(True), 2, talker)
+    finally:
+        runner.graphs = None
+    for a, b, f in zip(ran, chat(omni(False), 2, talker), (11, 6)):
+        assert a.codes.shape == (16, f) and np.array_equal(a.codes, b.codes)

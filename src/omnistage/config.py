@@ -80,6 +80,7 @@ class StageConfig:
     block_size: int = _opt(16, _positive_int)
     cuda_graph: bool = _opt(False, _bool)
     cuda_graph_batch_sizes: tuple[int, ...] = _opt((), _sizes)
+    cuda_graph_capture_widths: tuple[int, ...] = _opt((), _sizes)  # KV blocks per row captured at start
     dtype: str = _opt("bfloat16", _dtype)
     sampling: dict = field(default_factory=dict, metadata={"check": _mapping})
 

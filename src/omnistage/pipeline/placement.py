@@ -52,6 +52,12 @@ def num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device
     return max(8, budget // per_block)
 
 
+def capture(stage: ThinkerStage | TalkerStage, sc: StageConfig) -> None:
+    """CUDA graphs for the deploy config's `cuda_graph_capture_widths` now, not in the first requests."""
+    if stage.runner is not None and sc.cuda_graph_capture_widths:
+        stage.runner.capture(sc.cuda_graph_capture_widths)
+
+
 def worker_name(stage: str, replica: int, replicas: int) -> str:
     return stage if replicas == 1 else f"{stage}{replica}"
 
@@ -65,6 +71,7 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
                                  max_num_batched_tokens=th.max_num_batched_tokens,
                                  num_blocks=num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size,
                                  cuda_graph=th.cuda_graph, graph_batch_sizes=th.graph_batch_sizes())
+    capture(thinker_stage, th)
     workers = [StageWorker("thinker", thinker_stage, th_dev, on_error)]
     talkers: list[TalkerStage] = []
     code2wavs: list[Code2WavStage] = []
@@ -77,6 +84,7 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
         talkers.append(TalkerStage(talker, p.config, to_code2wav, tts, max_batch_size=tk.max_batch_size,
                                    num_blocks=num_blocks(tk, talker, dev, dt), block_size=tk.block_size,
                                    cuda_graph=tk.cuda_graph, graph_batch_sizes=tk.graph_batch_sizes()))
+        capture(talkers[-1], tk)
         workers.append(StageWorker(worker_name("talker", i, tk.replicas), talkers[-1], dev, on_error))
     conn = p.deploy.connector
     for i in range(p.deploy.stages.code2wav.replicas):

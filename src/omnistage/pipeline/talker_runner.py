@@ -76,9 +76,7 @@ class TalkerGraphRunner:
         if b is None:
             return None
         w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width)
-        if self.graphs is not None and (b, w) not in self.graphs:
-            self._load(b, w, self._empty, self.inputs)  # warm-up and capture see padding rows only
-            self.graphs.capture((b, w), lambda: self._forward(b, w))
+        self._capture_step(b, w)
         self._load(b, w, batch, self.inputs, batch.inputs)
         return self._outputs(self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w)), batch)
 
@@ -89,11 +87,27 @@ class TalkerGraphRunner:
         b = batch_bucket(n, self.batch_sizes)
         if b is None:
             return None
+        self._capture_head(b)
+        self._load(b, None, batch, self.hidden, hidden)
+        return self._outputs(self._head(b) if self.graphs is None else self.graphs.replay(("head", b)), batch)
+
+    def capture(self, widths: Sequence[int]) -> None:
+        """Capture now (on CUDA) every batch bucket's head graph and its step graphs for `widths` (KV blocks
+        per row), largest batch first; other widths are captured when first needed."""
+        for b in reversed(self.batch_sizes):
+            self._capture_head(b)
+            for w in widths:
+                self._capture_step(b, width_bucket(w, self.max_width))
+
+    def _capture_step(self, b: int, w: int) -> None:
+        if self.graphs is not None and (b, w) not in self.graphs:
+            self._load(b, w, self._empty, self.inputs)  # warm-up and capture see padding rows only
+            self.graphs.capture((b, w), lambda: self._forward(b, w))
+
+    def _capture_head(self, b: int) -> None:
         if self.graphs is not None and ("head", b) not in self.graphs:
             self._load(b, None, self._empty, self.hidden)
             self.graphs.capture(("head", b), lambda: self._head(b))
-        self._load(b, None, batch, self.hidden, hidden)
-        return self._outputs(self._head(b) if self.graphs is None else self.graphs.replay(("head", b)), batch)
 
     def _outputs(self, out: tuple[torch.Tensor, torch.Tensor], batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(batch.params)

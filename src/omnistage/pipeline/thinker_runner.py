@@ -11,6 +11,8 @@ token 0 at position 0, are greedy, and write KV only to the scratch block
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
@@ -48,13 +50,23 @@ class ThinkerGraphRunner:
         if b is None:
             return None
         w = width_bucket(-(-(max(s.num_computed for s in seqs) + 1) // self.block_size), self.max_width)
-        if self.graphs is not None and (b, w) not in self.graphs:
-            self._load(b, w, [], [])  # warm-up and capture see padding rows only
-            self.graphs.capture((b, w), lambda: self._forward(b, w))
+        self._capture(b, w)
         self._load(b, w, seqs, tables)
         tokens, embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
         # NOTE: copies: a graph's outputs are overwritten by its next replay, and embeds go to the talker.
         return tokens[:n].clone(), embeds[:n].clone()
+
+    def capture(self, widths: Sequence[int]) -> None:
+        """Capture now (on CUDA) every batch bucket's graphs for `widths` (KV blocks per row), largest batch
+        first; other widths are captured when first needed."""
+        for b in reversed(self.batch_sizes):
+            for w in widths:
+                self._capture(b, width_bucket(w, self.max_width))
+
+    def _capture(self, b: int, w: int) -> None:
+        if self.graphs is not None and (b, w) not in self.graphs:
+            self._load(b, w, [], [])  # warm-up and capture see padding rows only
+            self.graphs.capture((b, w), lambda: self._forward(b, w))
 
     def _load(self, b: int, w: int, seqs: list[ThinkerSeq], tables: list[list[int]]) -> None:
         """Copy the live rows into the static buffers, padding rows up to `b`."""
