@@ -13,6 +13,7 @@ argmax (`sample` picks per row), and truncation with neutral parameters removes 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
