@@ -217,3 +217,15 @@ def test_text_continues_after_the_audio_ends() -> None:
                   talker_sampling={"temperature": 0, "max_frames": 2})
     assert both.token_ids == text_only.token_ids and both.finish_reason == "length"
     assert both.codes.shape == (16, 2) and both.usage.completion_tokens == 14 and both.usage.audio_frames == 2
+
+
+def test_stage_step_counters() -> None:
+    o = omni(2, 5)  # its own engine: the counters start at zero
+    before = o.engine.stats()
+    o.chat(conv(0), **greedy(7, 13))
+    after = o.engine.stats()
+    d = {s: {k: after[s][k] - before[s][k] for k in ("steps", "step_rows", "busy_seconds")} for s in after}
+    assert d["talker"]["steps"] == d["talker"]["step_rows"] == 13  # one frame per step: the prefill, 12 decodes
+    assert d["thinker"]["steps"] == 7 and d["thinker"]["step_rows"] == 7  # whole prompt in one step + 6 decodes
+    assert d["code2wav"]["step_rows"] == 4  # chunks of 2, 5, 5, 1 frames
+    assert all(d[s]["busy_seconds"] > 0 for s in d)

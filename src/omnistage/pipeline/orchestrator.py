@@ -106,8 +106,9 @@ class Orchestrator:
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
-        requests failed (for /metrics)."""
-        return {w.name: {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests}
+        requests failed, busy steps with their wall seconds and batch rows (for /metrics)."""
+        return {w.name: {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests,
+                         "steps": w.steps, "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
                 for w in self.workers}
 
     @property

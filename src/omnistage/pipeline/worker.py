@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ class StageWorker:
         self.name, self.stage, self.device, self.on_error = name, stage, device, on_error
         self._unblamed = 0  # consecutive failed steps with no request to blame
         self.failed_requests = 0  # requests this stage failed (for the metrics)
+        self.steps, self.busy_seconds, self.step_rows = 0, 0.0, 0  # busy steps, their wall time and batch rows
         self.wake = threading.Event()
         self.stage.inbox.wake = self.wake
         self.controls: Inbox[str] = Inbox(self.wake)
@@ -71,9 +73,13 @@ class StageWorker:
     def _step(self) -> bool:
         """One step; a failure is its requests' (see pipeline/faults.py), a fatal one ends the worker."""
         self.stage.step_requests = []
+        start = time.perf_counter()
         try:
             busy = self.stage.step()
             self._unblamed = 0
+            if busy:
+                self.steps, self.step_rows = self.steps + 1, self.step_rows + self.stage.last_batch
+                self.busy_seconds += time.perf_counter() - start
         except Exception as e:
             blamed = list(self.stage.step_requests)
             self._unblamed = 0 if blamed else self._unblamed + 1

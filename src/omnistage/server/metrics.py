@@ -122,16 +122,20 @@ class ServerMetrics:
         self.active = Gauge(f"{p}_stage_requests_active", "Requests the stage holds.", ("stage",))
         self.failed = Counter(f"{p}_stage_requests_failed_total", "Requests failed by a fault in the stage.",
                               ("stage",))
+        self.steps = Counter(f"{p}_stage_steps_total", "Steps that did work.", ("stage",))
+        self.busy = Counter(f"{p}_stage_busy_seconds_total", "Wall time of those steps.", ("stage",))
+        self.step_rows = Counter(f"{p}_stage_step_rows_total", "Requests in those steps, summed.", ("stage",))
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
-                     self.waiting, self.waiting_tokens, self.rss]
+                     self.steps, self.busy, self.step_rows, self.waiting, self.waiting_tokens, self.rss]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
                       kv_blocks_total: int | None = None, active: int | None = None,
-                      failed: int | None = None) -> None:
+                      failed: int | None = None, steps: int | None = None, busy_seconds: float | None = None,
+                      step_rows: int | None = None) -> None:
         self.batch_size.set(batch_size, stage=stage)
         self.queue_depth.set(queue_depth, stage=stage)
         if kv_blocks_used is not None:
@@ -140,8 +144,10 @@ class ServerMetrics:
             self.kv_blocks_total.set(kv_blocks_total, stage=stage)
         if active is not None:
             self.active.set(active, stage=stage)
-        if failed is not None:
-            self.failed.set_total(failed, stage=stage)
+        for counter, total in ((self.failed, failed), (self.steps, steps), (self.busy, busy_seconds),
+                               (self.step_rows, step_rows)):
+            if total is not None:
+                counter.set_total(total, stage=stage)
 
     def observe_finished(self, e2e: float, ttft: float | None = None, ttfp: float | None = None,
                          audio_seconds: float = 0.0, last_audio: float | None = None) -> None:
