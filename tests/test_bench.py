@@ -199,10 +199,18 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
         assert 0 < r["mean_ttft_ms"] <= r["mean_ttfp_ms"] <= r["mean_e2e_ms"]
         assert r["mean_rtf"] == pytest.approx(r["mean_e2e_ms"] / 1e3 / audio_s, rel=0.5)
         assert r["request_throughput"] > 0
+    for r in rows[:4]:  # the server's step counters over each row
+        st = r["stages"]
+        assert set(st) == {"thinker", "talker", "code2wav"}
+        assert 1 <= st["talker"]["mean_batch"] <= r["concurrency"] and 0 < st["talker"]["busy_fraction"] <= 1.05
+        assert st["talker"]["steps_per_s"] * st["talker"]["mean_step_ms"] / 1e3 == pytest.approx(
+            st["talker"]["busy_fraction"])
+    assert "stages" not in rows[4]
     assert rows[4]["mean_ttft_ms"] == rows[4]["mean_ttfp_ms"] == rows[4]["mean_e2e_ms"]
     assert sum(bool(r.get("best_batch")) for r in rows) == 1
     table = (tmp_path / TABLE).read_text()
     assert table.count("\n| omnistage |") == 4 and table.count("\n| hf |") == 2
+    assert "Where the time goes" in table and table.count(" | talker | ") == 4
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

@@ -87,7 +87,22 @@ def markdown(results: dict) -> str:
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
     lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
                    "is its batch size and TTFT = TTFP = E2E.")]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _stage_lines(results["rows"])) + "\n"
+
+
+def _stage_lines(rows: list[dict]) -> list[str]:
+    """Per-stage step figures of the rows that have them (omnistage: /metrics before and after the row)."""
+    lines = ["| P | c | stage | steps/s | mean step ms | busy | mean batch |", "|---|---|---|---|---|---|---|"]
+    for row in sorted((r for r in rows if r.get("stages")), key=lambda r: (r["prompt_tokens"], r["concurrency"])):
+        for stage, s in sorted(row["stages"].items()):
+            lines.append(f"| {row['prompt_tokens']} | {row['concurrency']} | {stage} | "
+                         + " | ".join(_cell(s, k, f) for k, f in (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"),
+                                                                  ("busy_fraction", "{:.0%}"), ("mean_batch", "{:.1f}")))
+                         + " |")
+    if len(lines) == 2:
+        return []
+    return ["", "Where the time goes (server step counters over each row; busy = the stage's worker inside a step):",
+            "", *lines]
 
 
 def plot(results: dict, out_dir: str | Path) -> list[Path]:
