@@ -23,6 +23,9 @@ def test_limits():
     check_error(user({"type": "image", "image": data_url(png_bytes(40, 30), "i/png")}),
                 "image is 40x30, more than 1000 pixels", small)
     check_error(user(*[{"type": "image", "image": "x"}] * 3), "messages: 3 media items, more than 2", small)
+    check_error(user({"type": "video", "video": ["x"] * 5}), "(video): a video given as frames needs 1 to 4",
+                MediaPolicy(max_video_frames=4))
+    check_error(user({"type": "video", "video": []}), "(video): a video given as frames needs 1 to 768")
     check_error(user({"type": "audio", "audio": data_url(wav_bytes(1.0), "a/wav")}), "larger than 20000 bytes",
                 MediaPolicy(max_bytes=20000))
     many = to_conversation(user({"type": "video", "video": data_url(mp4_bytes(8, 4, (640, 480)), "v/mp4")}),

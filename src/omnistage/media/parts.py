@@ -124,6 +124,8 @@ def _video(source: Any, options: dict[str, Any], policy: MediaPolicy, with_audio
     elif isinstance(source, (list, tuple)):
         if with_audio:
             raise MediaError("a video given as frames has no audio track (use_audio_in_video needs one)")
+        if not 0 < len(source) <= policy.max_video_frames:
+            raise MediaError(f"a video given as frames needs 1 to {policy.max_video_frames} of them")
         video = video_from_frames([_image(f, {}, policy, False) for f in source], options)
     elif isinstance(source, str):
         video = decode_video_bytes(load_bytes(source, policy), options, policy, with_audio)
