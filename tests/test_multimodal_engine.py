@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import replace
 
 import numpy as np
@@ -23,10 +22,28 @@ from omnistage.models.qwen3_omni.prompt import PromptInputs
 TINY = {"min_pixels": 64 * 64, "max_pixels": 96 * 96}  # per-item options: a few merged tokens per frame
 
 
-@functools.cache
+_ENGINES: dict[tuple, Omni] = {}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _release_engines():
+    """The engines of this module (~0.7 GB each, mostly KV caches) go when its tests are done."""
+    yield
+    for o in _ENGINES.values():
+        o.engine.shutdown()
+    _ENGINES.clear()
+
+
 def omni(preset: str = "tiny", graphs: bool = False, budget: int = 8192) -> Omni:
     """`graphs`: the decode runners on (on the CPU their static-buffer path, run eagerly; set past the
     config's validation); `budget`: the thinker's token budget per step (prompts prefill in chunks)."""
+    key = (preset, graphs, budget)
+    if key not in _ENGINES:
+        _ENGINES[key] = _build(preset, graphs, budget)
+    return _ENGINES[key]
+
+
+def _build(preset: str, graphs: bool, budget: int) -> Omni:
     d = tiny_checkpoint(preset)
     cfg = load_deploy_config(default_deploy_config(d), platform="cpu")
     stages = {k: replace(getattr(cfg.stages, k), cuda_graph=graphs, cuda_graph_batch_sizes=[1, 2])
