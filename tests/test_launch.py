@@ -34,3 +34,13 @@ def test_deploy_config_platform_and_overrides(tiny_dir):
     assert cfg.stages.talker.max_batch_size == 3 and cfg.stages.thinker.dtype == "float32"
     with pytest.raises(LaunchError, match="stages.thinker.block_size: must be a positive integer"):
         deploy_config(tiny_dir, None, '{"thinker": {"block_size": 0}}', "cpu")
+
+
+def test_deploy_overrides_flag(tiny_dir):
+    from omnistage.server.launch import json_object
+
+    cfg = deploy_config(tiny_dir, None, None, "cpu", json_object('{"async_chunk": false}', "--deploy-overrides"))
+    assert cfg.async_chunk is False and deploy_config(tiny_dir, None, None, "cpu").async_chunk is True
+    for bad, why in (("{async_chunk}", "not JSON"), ("[1]", "expected a JSON object")):
+        with pytest.raises(LaunchError, match=f"--deploy-overrides: {why}"):
+            json_object(bad, "--deploy-overrides")

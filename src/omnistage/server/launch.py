@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from dataclasses import dataclass
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 from omnistage.config import ConfigError, DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.platform import detect_platform
 from omnistage.server.media_args import add_media_args
+from omnistage.utils import deep_merge
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -80,6 +82,17 @@ def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None
         raise LaunchError(str(e)) from None
 
 
+def json_object(text: str | None, flag: str) -> dict:
+    """A CLI flag's JSON object ({} when not given)."""
+    try:
+        value = json.loads(text) if text else {}
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"{flag}: not JSON ({e})") from None
+    if not isinstance(value, dict):
+        raise LaunchError(f"{flag}: expected a JSON object")
+    return value
+
+
 def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     """The app and its running engine, from `omnistage serve` arguments."""
     from omnistage.entrypoints.async_omni import AsyncOmni
@@ -89,9 +102,10 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
 
     policy = media_policy(args)
     source = resolve_model(args.model, args.served_model_name, args.load_format)
-    admission = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens")
+    overrides = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens")
                  if getattr(args, k) is not None}
-    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device, admission)
+    overrides = deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), overrides)
+    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device, overrides)
     logger.info("serving %s from %s", source.name, source.path)
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
@@ -129,6 +143,8 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="deploy YAML (default: the packaged one for config.json's model_type)")
     p.add_argument("--stage-overrides", default=None,
                    help='JSON keyed by stage, e.g. \'{"talker": {"max_batch_size": 16}}\'')
+    p.add_argument("--deploy-overrides", default=None,
+                   help='JSON of top-level deploy keys, e.g. \'{"async_chunk": false}\' (ablations)')
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
     p.add_argument("--device", default=None,
