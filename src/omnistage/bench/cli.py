@@ -41,6 +41,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=None, help="cap on the text tokens of a request")
     p.add_argument("--max-frames", type=int, default=None, help="cap on the audio frames of a request")
     p.add_argument("--voice", default="Ethan")
+    p.add_argument("--variant", default=None, help="label of the server configuration (ablation rows), kept in each row")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: an approximation, see docs)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds for the whole sweep (0: none); rows share what is left evenly")
@@ -117,6 +118,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rows, skipped = run_hf(args, counter, budget, _plan(args), on_row=_print_row)
     else:
         rows, skipped = asyncio.run(_sweep(args, counter, budget))
+    for row in rows if args.variant else ():
+        row["variant"] = args.variant
     meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), args.workload, backend=args.backend, seed=args.seed,
                     random_weights=args.random_weights, tokenizer=counter.name, num_prompts=args.num_prompts,
                     warmup=args.warmup, time_budget_s=args.time_budget, skipped=skipped,

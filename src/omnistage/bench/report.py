@@ -16,7 +16,7 @@ TABLE = "results.md"
 PLOTS = {"throughput.png": ("request_throughput", "requests / s"), "ttfp.png": ("mean_ttfp_ms", "mean TTFP (ms)"),
          "rtf.png": ("mean_rtf", "mean RTF (below 1: faster than real time)")}
 # markdown column -> (row key, format)
-COLUMNS = {"backend": ("backend", "{}"), "P": ("prompt_tokens", "{}"), "c": ("concurrency", "{}"),
+COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "P": ("prompt_tokens", "{}"), "c": ("concurrency", "{}"),
            "n": ("num_requests", "{}"), "req/s": ("request_throughput", "{:.3f}"),
            "audio s/s": ("audio_throughput", "{:.2f}"), "TTFT ms": ("mean_ttft_ms", "{:.0f}"),
            "TTFP ms": ("mean_ttfp_ms", "{:.0f}"), "TTFP p50": ("p50_ttfp_ms", "{:.0f}"),
@@ -83,7 +83,8 @@ def markdown(results: dict) -> str:
               f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in sorted(results["rows"], key=lambda r: (r["backend"], r["prompt_tokens"], r["concurrency"])):
+    for row in sorted(results["rows"], key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"],
+                                                      r["concurrency"])):
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
     lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
                    "is its batch size and TTFT = TTFP = E2E.")]
@@ -92,10 +93,11 @@ def markdown(results: dict) -> str:
 
 def _stage_lines(rows: list[dict]) -> list[str]:
     """Per-stage step figures of the rows that have them (omnistage: /metrics before and after the row)."""
-    lines = ["| P | c | stage | steps/s | mean step ms | busy | mean batch |", "|---|---|---|---|---|---|---|"]
-    for row in sorted((r for r in rows if r.get("stages")), key=lambda r: (r["prompt_tokens"], r["concurrency"])):
+    lines = ["| variant | P | c | stage | steps/s | mean step ms | busy | mean batch |", "|---" * 8 + "|"]
+    for row in sorted((r for r in rows if r.get("stages")), key=lambda r: (r.get("variant") or "", r["prompt_tokens"],
+                                                                         r["concurrency"])):
         for stage, s in sorted(row["stages"].items()):
-            lines.append(f"| {row['prompt_tokens']} | {row['concurrency']} | {stage} | "
+            lines.append(f"| {row.get('variant') or ''} | {row['prompt_tokens']} | {row['concurrency']} | {stage} | "
                          + " | ".join(_cell(s, k, f) for k, f in (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"),
                                                                   ("busy_fraction", "{:.0%}"), ("mean_batch", "{:.1f}")))
                          + " |")
@@ -115,7 +117,7 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
 
     series: dict[tuple[str, int], list[dict]] = {}
     for row in results["rows"]:
-        if row["num_requests"]:
+        if row["num_requests"] and not row.get("variant"):  # ablation rows: in the table only
             series.setdefault((row["backend"], row["prompt_tokens"]), []).append(row)
     paths = []
     for name, (key, label) in PLOTS.items():
