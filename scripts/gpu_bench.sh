@@ -15,7 +15,8 @@
 #   OUT=/tmp/bench scripts/gpu_bench.sh
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
 # BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl),
-# BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json).
+# BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json),
+# BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C (ablation rows, see below; empty: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
@@ -55,39 +56,79 @@ PORT=${BENCH_PORT:-8091}
 URL=http://127.0.0.1:$PORT
 COMMON=(--workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}" --output-dir "$OUT"
         ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+SERVER=
+stop_server() {
+  [[ -n $SERVER ]] || return 0
+  kill "$SERVER" 2>/dev/null
+  for ((i = 0; i < 60; i++)); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -9 "$SERVER" 2>/dev/null
+  SERVER=
+}
+trap stop_server EXIT
+# start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
+start_server() {
+  local log=$1
+  shift
+  "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
+    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} "$@" > "$log" 2>&1 &
+  SERVER=$!
+  for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
+    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then
+      "$PY" scripts/smoke.py "$URL" && { echo "[$((SECONDS - T0)) s] server up: $*"; return 0; }
+      break
+    fi
+    kill -0 "$SERVER" 2>/dev/null || break
+    sleep 1
+  done
+  tail -30 "$log"
+  stop_server
+  return 1
+}
 
-"$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
-  ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} > "$OUT/server.log" 2>&1 &
-SERVER=$!
-trap 'kill $SERVER 2>/dev/null' EXIT
+# The deploy config as shipped; should it fail its smoke request, the newest graphs go first, then all graphs.
+NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
 up=0
-for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
-  if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then up=1; break; fi
-  kill -0 $SERVER 2>/dev/null || break
-  sleep 1
+for overrides in "" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
+  start_server "$OUT/server.log" ${overrides:+--stage-overrides "$overrides"} && { up=1; break; }
+  cp "$OUT/server.log" "$OUT/server-failed-$((SECONDS - T0)).log"
 done
-echo "[$((SECONDS - T0)) s] server up=$up"
-[[ $up == 1 ]] || { tail -40 "$OUT/server.log"; exit 1; }  # no server: spend no more device time
+[[ $up == 1 ]] || exit 1  # no server: spend no more device time
 
-HF_RESERVE=${BENCH_HF_RESERVE:-170}
-if [[ $up == 1 ]]; then
-  SWEEP=$(($(left) - HF_RESERVE))
-  EXTRA=${BENCH_EXTRA_PROMPTS-10,320,640}
-  MAIN=$SWEEP
-  [[ -n $EXTRA ]] && MAIN=$((SWEEP * 7 / 10))
-  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_CONCURRENCY:-1,16,32,64}" \
-    --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup "${BENCH_WARMUP:-5}" --time-budget "$MAIN" "${COMMON[@]}"
-  echo "[$((SECONDS - T0)) s] P=160 sweep done"
-  if [[ -n $EXTRA && $(($(left) - HF_RESERVE)) -gt 20 ]]; then
-    "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens "$EXTRA" \
-      --concurrency "${BENCH_EXTRA_CONCURRENCY:-1,32}" --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup 0 \
-      --time-budget $(($(left) - HF_RESERVE)) "${COMMON[@]}"
-    echo "[$((SECONDS - T0)) s] other prompt lengths done"
-  fi
+# Ablation rows (after the sweep, P=160 at c=BENCH_ABLATION_C, each on its own server):
+#   BENCH_ABLATION='name|stage overrides JSON|deploy overrides JSON;...'   e.g. the default below.
+ABLATION=${BENCH_ABLATION-"batching only|$NO_GRAPHS|{\"async_chunk\": false};+ CUDA graphs||{\"async_chunk\": false}"}
+IFS=';' read -ra ROWS <<< "$ABLATION"
+ROW_S=${BENCH_ABLATION_ROW_S:-75}  # seconds per ablation row (server start included)
+HF_RESERVE=${BENCH_HF_RESERVE:-150}
+KEEP=$((HF_RESERVE + ${#ROWS[@]} * ROW_S))
+SWEEP=$(($(left) - KEEP))
+EXTRA=${BENCH_EXTRA_PROMPTS-10,320,640}
+MAIN=$SWEEP
+[[ -n $EXTRA ]] && MAIN=$((SWEEP * 7 / 10))
+"$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_CONCURRENCY:-1,16,32,64}" \
+  --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup "${BENCH_WARMUP:-5}" --time-budget "$MAIN" "${COMMON[@]}"
+echo "[$((SECONDS - T0)) s] P=160 sweep done"
+if [[ -n $EXTRA && $(($(left) - KEEP)) -gt 20 ]]; then
+  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens "$EXTRA" \
+    --concurrency "${BENCH_EXTRA_CONCURRENCY:-1,64}" --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup 0 \
+    --time-budget $(($(left) - KEEP)) "${COMMON[@]}"
+  echo "[$((SECONDS - T0)) s] other prompt lengths done"
 fi
-kill $SERVER 2>/dev/null
-for ((i = 0; i < 60; i++)); do kill -0 $SERVER 2>/dev/null || break; sleep 1; done
-kill -9 $SERVER 2>/dev/null
+stop_server
+
+for row in "${ROWS[@]}"; do
+  IFS='|' read -r name stage deploy <<< "$row"
+  [[ $(($(left) - HF_RESERVE)) -gt 45 ]] || { echo "ablation '$name': no time left"; continue; }
+  end=$((SECONDS + ROW_S))
+  start_server "$OUT/server-ablation-${name//[^a-zA-Z0-9]/-}.log" ${stage:+--stage-overrides "$stage"} \
+    ${deploy:+--deploy-overrides "$deploy"} || continue
+  budget=$((end - SECONDS))
+  [[ $budget -gt $(($(left) - HF_RESERVE)) ]] && budget=$(($(left) - HF_RESERVE))
+  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_ABLATION_C:-64}" \
+    --num-prompts "${BENCH_ABLATION_C:-64}" --warmup 0 --time-budget "$budget" --variant "$name" "${COMMON[@]}"
+  stop_server
+  echo "[$((SECONDS - T0)) s] ablation '$name' done"
+done
 
 [[ -n ${BENCH_SKIP_HF:-} ]] && { ls -la "$OUT"; exit 0; }
 "$PY" -m omnistage.cli bench --backend hf --model-dir "$MODEL" ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} \
