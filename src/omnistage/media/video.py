@@ -6,14 +6,16 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import av
 import numpy as np
 from PIL import Image
 
 from omnistage.media.decode import AUDIO_INPUT_RATE, check_seconds, resample
 from omnistage.media.policy import MediaError, MediaPolicy
+
+if TYPE_CHECKING:
+    import av
 
 FPS, MIN_FRAMES, FRAME_FACTOR = 2.0, 4, 2
 # NOTE: demuxers only for media files: playlist-like ones (hls, concat, ...) would open further URLs or files.
@@ -83,7 +85,7 @@ def decode_audio_track(data: bytes, start: float, end: float | None, max_seconds
             raise MediaError("no audio track (use_audio_in_video needs one)")
         stream = container.streams.audio[0]
         limit = (end if end is not None else start + max_seconds + 1) - start
-        to_float = av.AudioResampler(format="fltp")
+        to_float = pyav().AudioResampler(format="fltp")
         chunks, rate, got = [], stream.rate, 0
         for frame in container.decode(stream):
             for f in to_float.resample(frame):
@@ -97,8 +99,17 @@ def decode_audio_track(data: bytes, start: float, end: float | None, max_seconds
     return resample(wav, rate, AUDIO_INPUT_RATE)
 
 
+def pyav() -> Any:
+    """PyAV, imported on first use: a server without it serves everything but video."""
+    try:
+        import av
+    except ImportError:
+        raise MediaError("video input needs PyAV on the server (pip install av)") from None
+    return av
+
+
 def open_container(data: bytes) -> av.container.InputContainer:
-    return av.open(io.BytesIO(data), container_options={"format_whitelist": CONTAINERS})
+    return pyav().open(io.BytesIO(data), container_options={"format_whitelist": CONTAINERS})
 
 
 def _frame_times(data: bytes) -> tuple[np.ndarray, float]:
