@@ -11,16 +11,12 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_reference
-from PIL import Image
+from mm_samples import TINY, TWO_TURNS, image, video
 
 from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
-from omnistage.media import VideoItem
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.prompt import PromptInputs
-
-TINY = {"min_pixels": 64 * 64, "max_pixels": 96 * 96}  # per-item options: a few merged tokens per frame
-
 
 _ENGINES: dict[tuple, Omni] = {}
 
@@ -50,18 +46,6 @@ def _build(preset: str, graphs: bool, budget: int) -> Omni:
               for k in ("thinker", "talker")}
     stages["thinker"] = replace(stages["thinker"], max_num_batched_tokens=budget)
     return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, **stages)), device="cpu")
-
-
-def image(seed: int, h: int = 40, w: int = 56) -> Image.Image:
-    return Image.fromarray(np.random.default_rng(seed).integers(0, 255, (h, w, 3), dtype=np.uint8))
-
-
-def video(seed: int, frames: int = 5, fps: float = 2.0, audio_seconds: float | None = None) -> VideoItem:
-    rng = np.random.default_rng(seed)
-    track = None if audio_seconds is None else (0.3 * np.sin(np.arange(int(16000 * audio_seconds)) / 7)).astype(
-        np.float32)
-    return VideoItem(rng.integers(0, 255, (frames, 36, 52, 3), dtype=np.uint8), fps, np.arange(frames) / fps,
-                     np.arange(frames), fps, frames, track)
 
 
 @contextlib.contextmanager
@@ -146,20 +130,6 @@ def test_video_with_its_audio_matches_transformers(how: str) -> None:
     print(f"[video+audio {how}] max |wav - hf| = {err:.2e}")
 
 
-def tone(seconds: float) -> np.ndarray:
-    return (0.3 * np.sin(2 * np.pi * 330 * np.arange(int(16000 * seconds)) / 16000)).astype(np.float32)
-
-
-TWO_TURNS = [
-    {"role": "system", "content": "You are a helpful voice."},
-    {"role": "user", "content": [{"type": "image", "image": image(3, 30, 44)}, {"type": "audio", "audio": tone(0.7)},
-                                 "What do you see and hear?"]},
-    {"role": "assistant", "content": "A picture and a tone."},
-    {"role": "user", "content": [{"type": "video", "video": video(4, 4, 1.0, 2.5), **TINY},
-                                 {"type": "image", "image": image(5, 20, 70), "max_pixels": 64 * 64}, "And now?"]},
-]
-
-
 @pytest.mark.parametrize("graphs, budget", [(False, 8192), (True, 24)])
 def test_two_turn_mixed_conversation_matches_transformers(graphs: bool, budget: int) -> None:
     """Images, an audio, a video with its audio track over two user turns; also with the decode runners
@@ -189,35 +159,6 @@ def test_requests_together_equal_alone() -> None:
         alone = o.chat(conv, sampling=sampling[i], talker_sampling=talker[i], use_audio_in_video=uav[i])
         assert batch[i].token_ids == alone.token_ids and np.array_equal(batch[i].codes, alone.codes)
         np.testing.assert_allclose(batch[i].audio, alone.audio, atol=1e-5)
-
-
-def test_encoders_batched_across_requests() -> None:
-    from omnistage.pipeline.thinker_inputs import encode_media, encode_together
-
-    o = omni()
-    thinker = o.engine.thinker.thinker
-    prompts = [o.engine.processor(c, u) for c, u in (
-        ([{"role": "user", "content": [{"type": "image", "image": image(40)}, {"type": "image", "image": image(41)}]}],
-         False), (TWO_TURNS, True), ([{"role": "user", "content": "text"}], False))]
-    calls = {"visual": 0, "audio": 0}
-    hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
-             for k, m in (("visual", thinker.visual), ("audio", thinker.audio_tower))]
-    try:
-        with torch.no_grad():
-            together = encode_together(thinker, prompts, torch.device("cpu"), torch.float32)
-            alone = [encode_media(thinker, [p], torch.device("cpu"), torch.float32)[0] for p in prompts]
-    finally:
-        for h in hooks:
-            h.remove()
-    # together: one image call (3 images of 2 requests), one video call, one audio call (2 audios + a track)
-    assert calls == {"visual": 2 + 3, "audio": 1 + 1}
-    assert together[2] == (None, None, None) and together[0][0] is None and together[0][2] is None
-    for t, a in zip(together, alone):
-        for x, y in zip(t, a):
-            if x is not None:
-                rows = [(x, y)] if isinstance(x, torch.Tensor) else [(x.embeds, y.embeds), *zip(x.deepstack, y.deepstack)]
-                for u, v in rows:
-                    torch.testing.assert_close(u, v, rtol=0, atol=1e-6)
 
 
 def test_parity_on_unseen_shapes(tmp_path) -> None:
@@ -258,15 +199,4 @@ def test_parity_on_unseen_shapes(tmp_path) -> None:
     print(f"[unseen shapes] max |wav - hf| = {err:.2e}, accept-layer rows rel err {rel:.1e}")
 
 
-def test_processor_per_item_options() -> None:
-    small = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
-    parts = [{"type": "image", "image": image(6)}, {"type": "image", "image": image(6), **small},
-             {"type": "image", "image": image(6), "resized_height": 64, "resized_width": 96},
-             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96},
-             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96,
-              "total_pixels": 5 * 1024 // 2}]
-    prompt = omni().engine.processor([{"role": "user", "content": parts}])
-    assert prompt.image_grid_thw.tolist() == [[1, 14, 20], [1, 2, 4], [1, 4, 6]]
-    # 36 x 52 frames -> 32 x 64; with total_pixels spread over 5 frames (1075 per frame) -> 32 x 32
-    assert prompt.video_grid_thw.tolist() == [[3, 2, 4], [3, 2, 2]]
-    assert prompt.input_ids.count(151655) == 70 + 2 + 6 and prompt.input_ids.count(151656) == 6 + 3
+#END

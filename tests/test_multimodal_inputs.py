@@ -1,5 +1,6 @@
-"""3-D M-RoPE positions (`rope_index`) against transformers' `get_rope_index` on random prompt layouts, the
-video patch layout against the video processor's, and flat batch positions."""
+"""Multimodal inputs: 3-D M-RoPE positions (`rope_index`) against transformers' `get_rope_index` on random
+prompt layouts, flat batch positions, the video patch layout against the video processor's, the
+processor's per-item options."""
 
 from __future__ import annotations
 
@@ -9,9 +10,13 @@ import numpy as np
 import pytest
 import torch
 from conftest import hf_reference
+from mm_samples import TWO_TURNS, image, video
+from test_thinker import thinker as thinker_module
 
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.presets import MM_IDS
-from omnistage.models.qwen3_omni.prompt import video_patches
+from omnistage.models.qwen3_omni.prompt import PromptProcessor
+from omnistage.models.qwen3_omni.visual_processing import video_patches
 from omnistage.models.qwen3_omni.rope_index import MRope, RopeSpec, audio_token_count, flat_positions, mrope_positions
 
 M = {k[:-9]: v for k, v in MM_IDS.items()}  # "audio", "image", "video", "vision_start", ...
@@ -108,3 +113,45 @@ def test_video_patch_layout(frames: int) -> None:
     padded = torch.cat([video, video[-1:].expand(-frames % tp, -1, -1, -1)])
     ref = padded.view(t, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, -1)
     assert t == -(-frames // tp) and np.array_equal(ours, ref.numpy())
+
+
+def test_processor_per_item_options() -> None:
+    small = {"min_pixels": 32 * 32, "max_pixels": 64 * 64}
+    parts = [{"type": "image", "image": image(6)}, {"type": "image", "image": image(6), **small},
+             {"type": "image", "image": image(6), "resized_height": 64, "resized_width": 96},
+             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96},
+             {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96,
+              "total_pixels": 5 * 1024 // 2}]
+    prompt = PromptProcessor(tiny_checkpoint("tiny"))([{"role": "user", "content": parts}])
+    assert prompt.image_grid_thw.tolist() == [[1, 14, 20], [1, 2, 4], [1, 4, 6]]
+    # 36 x 52 frames -> 32 x 64; with total_pixels spread over 5 frames (1075 per frame) -> 32 x 32
+    assert prompt.video_grid_thw.tolist() == [[3, 2, 4], [3, 2, 2]]
+    assert prompt.input_ids.count(151655) == 70 + 2 + 6 and prompt.input_ids.count(151656) == 6 + 3
+
+
+def test_encoders_batched_across_requests() -> None:
+    from omnistage.pipeline.thinker_inputs import encode_media, encode_together
+
+    thinker, processor = thinker_module("tiny"), PromptProcessor(tiny_checkpoint("tiny"))
+    prompts = [processor(c, u) for c, u in (
+        ([{"role": "user", "content": [{"type": "image", "image": image(40)}, {"type": "image", "image": image(41)}]}],
+         False), (TWO_TURNS, True), ([{"role": "user", "content": "text"}], False))]
+    calls = {"visual": 0, "audio": 0}
+    hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
+             for k, m in (("visual", thinker.visual), ("audio", thinker.audio_tower))]
+    try:
+        with torch.no_grad():
+            together = encode_together(thinker, prompts, torch.device("cpu"), torch.float32)
+            alone = [encode_media(thinker, [p], torch.device("cpu"), torch.float32)[0] for p in prompts]
+    finally:
+        for h in hooks:
+            h.remove()
+    # together: one image call (3 images of 2 requests), one video call, one audio call (2 audios + a track)
+    assert calls == {"visual": 2 + 3, "audio": 1 + 1}
+    assert together[2] == (None, None, None) and together[0][0] is None and together[0][2] is None
+    for t, a in zip(together, alone):
+        for x, y in zip(t, a):
+            if x is not None:
+                rows = [(x, y)] if isinstance(x, torch.Tensor) else [(x.embeds, y.embeds), *zip(x.deepstack, y.deepstack)]
+                for u, v in rows:
+                    torch.testing.assert_close(u, v, rtol=0, atol=1e-6)

@@ -1,14 +1,9 @@
 """Chat messages -> thinker prompt ids and encoder inputs, through the checkpoint's processor pieces.
 
 transformers' `Qwen3OmniMoeProcessor` cannot be built without torchvision (its video processor imports
-it; PyPI's torchvision does not import beside torch 2.13 CPU), so its pieces are used directly: the
-tokenizer with its chat template, the WhisperFeatureExtractor, and the Pillow/numpy backend of the
-Qwen2-VL image processor (`Qwen2VLImageProcessorPil`, in transformers 5.17 and 5.24) for images AND
-video frames. Each frame is resized, rescaled and normalised by that image processor, then frames are
-grouped `temporal_patch_size` at a time in the video processor's patch layout (`video_patches`). Video
-frames get the processor's own video size (`processor_video_size`), as the full processor passes it.
-NOTE: Pillow's bicubic resize differs slightly from torchvision's, which the video processor uses.
-Placeholders expand as the processor expands them (audio-in-video interleaving included).
+it), so its pieces are used directly: the tokenizer with its chat template, the WhisperFeatureExtractor,
+and the image processor for images and video frames (`visual_processing.py`). Placeholders expand as the
+processor expands them (audio-in-video interleaving included).
 """
 
 from __future__ import annotations
@@ -24,6 +19,7 @@ import torch
 
 from omnistage.media import MediaError, MediaItems, MediaPolicy, to_conversation
 from omnistage.models.qwen3_omni.rope_index import audio_token_count, merge_ranks
+from omnistage.models.qwen3_omni.visual_processing import VisualProcessor
 
 _PADS = ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -46,52 +42,17 @@ class PromptInputs:
         return [] if m is None else m.sum(-1).tolist()
 
 
-def processor_video_size() -> dict[str, int]:
-    """The video size the Qwen3-Omni processor passes to its video processor (over the checkpoint's video
-    config): a class attribute in transformers 5.24, `_defaults` in 5.17."""
-    from transformers.models.qwen3_omni_moe import processing_qwen3_omni_moe as m
-
-    own = getattr(m.Qwen3OmniMoeProcessor, "videos_kwargs", None) or m.Qwen3OmniMoeProcessorKwargs._defaults[
-        "videos_kwargs"]
-    return dict(own["size"])
-
-
-def video_patches(frame_patches: np.ndarray, num_frames: int, temporal: int, channels: int, patch: int
-                  ) -> tuple[np.ndarray, int]:
-    """Per-frame image patches `[F * N, C * temporal * P * P]` (each frame repeated `temporal` times,
-    as the image processor writes an image) -> video patches `[T * N, C * temporal * P * P]`, frames
-    grouped `temporal` at a time (the last frame repeated to fill the last group), and T."""
-    own = frame_patches.reshape(num_frames, -1, channels, temporal, patch, patch)[:, :, :, 0]
-    pad = -num_frames % temporal
-    own = np.concatenate([own, np.repeat(own[-1:], pad, 0)]) if pad else own
-    t = own.shape[0] // temporal
-    grouped = own.reshape(t, temporal, *own.shape[1:]).transpose(0, 2, 3, 1, 4, 5)
-    return np.ascontiguousarray(grouped.reshape(t * own.shape[1], -1)), t
-
-
-def _frame_budget(options: dict[str, Any], num_frames: int, temporal: int, size: dict[str, int]
-                  ) -> dict[str, Any]:
-    """`total_pixels` (a whole video's budget) as a per-frame `max_pixels`, as qwen-omni-utils spreads it."""
-    if "total_pixels" not in options:
-        return options
-    low = options.get("min_pixels", size["shortest_edge"])
-    per_frame = min(options.get("max_pixels", size["longest_edge"]), options["total_pixels"] / num_frames * temporal)
-    return {**options, "max_pixels": max(int(per_frame), int(low * 1.05))}
-
-
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None) -> None:
         from transformers import AutoTokenizer, WhisperFeatureExtractor
-        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.media_policy = media_policy or MediaPolicy()
         self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
-        self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(str(model_dir))
+        self.visual = VisualProcessor(str(model_dir))
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
         self.position_id_per_seconds = thinker.get("position_id_per_seconds", 13)
-        self.video_size = processor_video_size()
 
     def __call__(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False) -> PromptInputs:
         """Decode the messages' media (under the processor's media policy) and process them."""
@@ -136,56 +97,29 @@ class PromptProcessor:
         out.input_features, out.feature_attention_mask = feats["input_features"], feats["attention_mask"]
         return [audio_token_count(n, self.n_window) for n in out.audio_feature_lens]
 
-    def _pixels(self, images: list[Any], options: dict[str, Any], default_size: dict[str, int]
-                ) -> dict[str, Any]:
-        size = dict(default_size)
-        size.update({k: options[o] for k, o in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels"))
-                     if o in options})
-        kw: dict[str, Any] = {"size": size}
-        if "resized_height" in options and "resized_width" in options:
-            from PIL import Image
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
-
-            ip = self.image_processor
-            h, w = smart_resize(options["resized_height"], options["resized_width"], ip.patch_size * ip.merge_size)
-            images = [Image.fromarray(np.asarray(im)).resize((w, h), Image.Resampling.BICUBIC) for im in images]
-            kw["do_resize"] = False
-        return self.image_processor(images=images, return_tensors="np", **kw)
-
     def _images(self, images: list[Any], options: list[dict[str, Any]], out: PromptInputs) -> list[int]:
         if not images:
             return []
-        done = [self._pixels([im], opt, self.image_processor.size) for im, opt in zip(images, options)]
-        out.pixel_values = torch.from_numpy(np.concatenate([d["pixel_values"] for d in done]))
-        out.image_grid_thw = torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in done]))
-        return (out.image_grid_thw.prod(-1) // self.image_processor.merge_size**2).tolist()
+        out.pixel_values, out.image_grid_thw = self.visual.images(images, options)
+        return (out.image_grid_thw.prod(-1) // self.visual.merge_size**2).tolist()
 
     def _videos(self, videos: list[Any], options: list[dict[str, Any]], out: PromptInputs
                 ) -> list[tuple[int, list[int], float, bool]]:
         """Each video's (token count, grid, seconds per grid, has an audio track)."""
         if not videos:
             return []
-        ip, patches, grids = self.image_processor, [], []
-        for video, opt in zip(videos, options):
-            frames = list(video.frames)
-            done = self._pixels(frames, _frame_budget(opt, len(frames), ip.temporal_patch_size, self.video_size),
-                                self.video_size)
-            p, t = video_patches(done["pixel_values"], len(frames), ip.temporal_patch_size, 3, ip.patch_size)
-            patches.append(p)
-            grids.append([t, *done["image_grid_thw"][0, 1:].tolist()])
-        seconds = [ip.temporal_patch_size / (v.fps or 1.0) for v in videos]
-        out.pixel_values_videos = torch.from_numpy(np.concatenate(patches))
-        out.video_grid_thw = torch.tensor(grids)
+        out.pixel_values_videos, out.video_grid_thw, seconds = self.visual.videos(videos, options)
         out.video_second_per_grid = torch.tensor(seconds, dtype=torch.float32)
-        tokens = (out.video_grid_thw.prod(-1) // ip.merge_size**2).tolist()
-        return [(n, g, s, v.audio is not None) for n, g, s, v in zip(tokens, grids, seconds, videos)]
+        tokens = (out.video_grid_thw.prod(-1) // self.visual.merge_size**2).tolist()
+        return [(n, g, s, v.audio is not None) for n, g, s, v in zip(tokens, out.video_grid_thw.tolist(), seconds,
+                                                                      videos)]
 
     def _interleaved(self, video: tuple[int, list[int], float, bool], audio_tokens: int) -> str:
         """`<|audio_start|>` + video and audio placeholders ordered by time (a video token of temporal
         group i at i x seconds-per-grid x 13, audio token j at j) + `<|audio_end|>`, as the processor
         lays them out; the template's `<|vision_start|>` / `<|vision_end|>` stay around it."""
         _, (t, h, w), seconds, _ = video
-        per_t = (h // self.image_processor.merge_size) * (w // self.image_processor.merge_size)
+        per_t = (h // self.visual.merge_size) * (w // self.visual.merge_size)
         times = np.repeat(np.arange(t), per_t) * seconds * self.position_id_per_seconds
         rank_v, rank_a = merge_ranks(torch.from_numpy(times), torch.arange(audio_tokens, dtype=torch.float64))
         slots = np.empty(len(times) + audio_tokens, dtype=object)
