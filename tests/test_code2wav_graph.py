@@ -31,7 +31,8 @@ SAMPLES, TAIL = 1920, 555
 # per request: (tick it starts sending frames, frames, tick it is aborted or None); 1-2 frames per tick
 PLAN = [(0, 23, None), (0, 9, None), (0, 12, None), (0, 30, 9), (0, 7, None), (0, 16, None), (0, 3, None),
         (0, 26, None), (1, 9, None), (2, 4, None), (3, 19, None), (4, 14, 13), (6, 21, None), (7, 5, None),
-        (9, 11, None), (15, 1, None), (20, 8, None)]
+        (9, 11, None), (15, 1, None), (20, 8, None)] + [(60, 2 + i, None) for i in range(MAX_BATCH)]
+# NOTE: the last MAX_BATCH join when every slot is free, so each aborted stream's slot is taken again
 
 
 @functools.cache
@@ -213,3 +214,19 @@ def test_deploy_config_switches_the_runner_on() -> None:
     for a, b, f in zip(out[True], out[False], (9, 13, 4)):
         assert a.audio.size == f * SAMPLES - TAIL and np.array_equal(a.codes, b.codes)
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("graph", [False, True])
+def test_first_chunks_go_before_later_chunks(graph: bool) -> None:
+    st, gen = stage(graph), torch.Generator().manual_seed(1)
+    a, b = Req("a"), Req("b")
+    for f in torch.randint(0, 2048, (INITIAL + CHUNK, 16), generator=gen):
+        st.add(FrameChunk(a, f))
+    st.step()  # a's first chunk
+    for f in torch.randint(0, 2048, (INITIAL, 16), generator=gen):
+        st.add(FrameChunk(b, f))
+    st.step()  # b's first chunk only, though a's next chunk is ready too
+    assert [len(a.deltas), len(b.deltas), st.last_batch] == [1, 1, 1]
+    assert len(b.deltas[0].audio) == INITIAL * SAMPLES - TAIL
+    st.step()
+    assert [len(a.deltas), len(b.deltas)] == [2, 1] and len(a.deltas[1].audio) == CHUNK * SAMPLES

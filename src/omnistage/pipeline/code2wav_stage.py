@@ -43,6 +43,8 @@ class Code2WavStage:
         self.last_batch = 0
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
         self.device = next(code2wav.parameters()).device
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # chunk shapes are few and fixed: autotune each conv once
 
     def add(self, chunk: FrameChunk) -> None:
         self.inbox.put(chunk)
@@ -83,6 +85,8 @@ class Code2WavStage:
         self._receive()
         ready = [(rid, seq) for rid, (_, seq) in self.seqs.items()
                  if seq.pending and (len(seq.pending) >= self._target(seq) or seq.done)]
+        # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks.
+        ready = [(rid, seq) for rid, seq in ready if seq.state.frames == 0] or ready
         finished = [rid for rid, (_, seq) in self.seqs.items() if seq.done and not seq.pending]
         self.last_batch = len(ready)
         self.step_requests = [self.seqs[rid][0].request for rid, _ in ready]
