@@ -131,7 +131,7 @@ def test_a_failed_batched_step_fails_its_requests_and_the_engine_goes_on(monkeyp
     e = o.engine
     stage = {"thinker": e.thinker, "talker": e.talkers[0], "code2wav": e.code2wavs[0]}[where]
     obj, name = {"thinker": lambda: (stage.thinker.model, "forward"),
-                 "talker": lambda: (stage.talker, "step"),
+                 "talker": lambda: (stage.talker, "forward"),
                  "code2wav": lambda: (stage.streamer, "step")}[where]()
     state = _raise_once(monkeypatch, obj, name, torch.OutOfMemoryError("injected"), stage)
     ids = ["b0", "b1", "b2"]
@@ -146,7 +146,7 @@ def test_a_failed_batched_step_fails_its_requests_and_the_engine_goes_on(monkeyp
 
 def test_a_fatal_device_error_fails_everything_and_refuses_new_requests(monkeypatch):
     o = fresh()
-    _raise_once(monkeypatch, o.engine.talkers[0].talker, "step", torch.AcceleratorError("device lost"))
+    _raise_once(monkeypatch, o.engine.talkers[0].talker, "forward", torch.AcceleratorError("device lost"))
     results = submit(o, ["x", "y"])
     wait_dead(o)
     assert [results[r].finish_reason for r in "xy"] == ["error", "error"]
@@ -199,7 +199,7 @@ def test_a_worker_thread_that_ended_makes_the_engine_unhealthy(monkeypatch):
         raise RuntimeError("the handler broke")
 
     monkeypatch.setattr(worker, "on_error", handler_breaks)
-    _raise_once(monkeypatch, worker.stage.talker, "step", torch.AcceleratorError("device lost"))
+    _raise_once(monkeypatch, worker.stage.talker, "forward", torch.AcceleratorError("device lost"))
     deadline = time.monotonic() + 10
     while worker._thread.is_alive() and time.monotonic() < deadline:
         time.sleep(0.01)
