@@ -43,8 +43,6 @@ class Code2WavStage:
         self.last_batch = 0
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
         self.device = next(code2wav.parameters()).device
-        if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # chunk shapes are few and fixed: autotune each conv once
 
     def add(self, chunk: FrameChunk) -> None:
         self.inbox.put(chunk)
