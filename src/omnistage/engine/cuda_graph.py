@@ -18,6 +18,7 @@ its time and the growth of the reserved memory.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
@@ -27,6 +28,10 @@ import torch
 from omnistage.layers.context import ForwardContext
 
 logger = logging.getLogger(__name__)
+# NOTE: one capture at a time in a process: entering `torch.cuda.graph` syncs the device and empties the
+# allocator's cache, which invalidates a capture another stage's thread has in flight (seen on the H200
+# when the talker and code2wav captured at once: cudaErrorStreamCaptureInvalidated).
+_CAPTURE_LOCK = threading.Lock()
 
 
 def batch_bucket(rows: int, sizes: Sequence[int]) -> int | None:
@@ -92,6 +97,10 @@ class CUDAGraphs:
 
     def capture(self, key: Hashable, fn: Callable[[], Any]) -> None:
         """Run `fn` once eagerly (warm-up), then capture it. `fn` must not sync with the host."""
+        with _CAPTURE_LOCK:
+            self._capture(key, fn)
+
+    def _capture(self, key: Hashable, fn: Callable[[], Any]) -> None:
         start, reserved = time.perf_counter(), torch.cuda.memory_reserved()
         if self.pool is None:
             self.pool, self.stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
@@ -101,8 +110,7 @@ class CUDAGraphs:
             fn()
         torch.cuda.current_stream().wait_stream(self.stream)
         graph = torch.cuda.CUDAGraph()
-        # NOTE: thread_local: the other stages keep running (and syncing) in their threads during a capture;
-        # an own capture stream, as talker replicas on one GPU may capture at the same time.
+        # NOTE: thread_local: the other stages keep running (and syncing) in their threads during a capture.
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
         self.graphs[key] = (graph, out)
