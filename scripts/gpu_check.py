@@ -70,53 +70,46 @@ def time_steps(step, dev: torch.device, iters: int = 20) -> float:
     return (time.perf_counter() - start) / iters * 1e3
 
 
+def graph_vs_static(stage, b: int, ctx: int, step_of) -> dict:
+    """Time `step_of(tables)()` for `b` rows of `ctx` cached tokens: graphs, then the runner's static path
+    run eagerly."""
+    ids = [f"bench{b}-{i}" for i in range(b)]
+    tables = [stage.blocks.allocate(r, ctx + 64) for r in ids]
+    step, runner = step_of(tables), stage.runner
+    dev, graphs = runner.context.slot_mapping.device, runner.graphs
+    out = {"graph_ms": time_steps(step, dev)}
+    runner.graphs = None
+    out["static_eager_ms"] = time_steps(step, dev, 5)
+    runner.graphs = graphs
+    for r in ids:
+        stage.blocks.release(r)
+    return out
+
+
 def talker_steps(omni: Omni, sizes: list[int], ctx: int) -> dict:
     st = omni.engine.talkers[0]
-    runner, dev, out = st.runner, st.device, {}
-    for b in sizes:
-        ids = [f"t{b}-{i}" for i in range(b)]
-        tables = [st.blocks.allocate(r, ctx + 64) for r in ids]
-        vocab = st.talker.codec_head.out_features
-        fb = FrameBatch(torch.randn(b, runner.inputs.shape[1], device=dev, dtype=st.dtype) * 0.02, [1] * b,
-                        [ctx] * b, tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)),
-                        [10] * b, torch.zeros(b, vocab, dtype=torch.bool, device=dev))
+    vocab, width = st.talker.codec_head.out_features, st.runner.inputs.shape[1]
 
-        def step() -> None:
-            frames, _ = runner.run(fb)
-            frames[:, 0].tolist()
+    def step_of(b: int):
+        def with_tables(tables: list) -> object:
+            fb = FrameBatch(torch.randn(b, width, device=st.device, dtype=st.dtype) * 0.02, [1] * b, [ctx] * b,
+                            tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)), [10] * b,
+                            torch.zeros(b, vocab, dtype=torch.bool, device=st.device))
+            return lambda: st.runner.run(fb)[0][:, 0].tolist()
+        return with_tables
 
-        graphs = runner.graphs
-        out[b] = {"graph_ms": time_steps(step, dev)}
-        runner.graphs = None
-        out[b]["static_eager_ms"] = time_steps(step, dev, 5)
-        runner.graphs = graphs
-        for r in ids:
-            st.blocks.release(r)
-    return out
+    return {b: graph_vs_static(st, b, ctx, step_of(b)) for b in sizes}
 
 
 def thinker_steps(omni: Omni, sizes: list[int], ctx: int) -> dict:
     st = omni.engine.thinker
-    runner, out = st.runner, {}
-    dev = next(st.thinker.parameters()).device
-    for b in sizes:
-        ids = [f"h{b}-{i}" for i in range(b)]
-        tables = [st.blocks.allocate(r, ctx + 64) for r in ids]
+
+    def step_of(b: int):
         seqs = [ThinkerSeq(SimpleNamespace(sampling=SamplingParams(ignore_eos=True), seed=i), None, None, None,
                            None, None, None, num_computed=ctx, output_ids=[100 + i]) for i in range(b)]
+        return lambda tables: lambda: st.runner.run(seqs, tables)[0].tolist()
 
-        def step() -> None:
-            tokens, _ = runner.run(seqs, tables)
-            tokens.tolist()
-
-        graphs = runner.graphs
-        out[b] = {"graph_ms": time_steps(step, dev)}
-        runner.graphs = None
-        out[b]["static_eager_ms"] = time_steps(step, dev, 5)
-        runner.graphs = graphs
-        for r in ids:
-            st.blocks.release(r)
-    return out
+    return {b: graph_vs_static(st, b, ctx, step_of(b)) for b in sizes}
 
 
 def main() -> None:
