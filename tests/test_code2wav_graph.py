@@ -230,3 +230,16 @@ def test_first_chunks_go_before_later_chunks(graph: bool) -> None:
     assert len(b.deltas[0].audio) == INITIAL * SAMPLES - TAIL
     st.step()
     assert [len(a.deltas), len(b.deltas)] == [2, 1] and len(a.deltas[1].audio) == CHUNK * SAMPLES
+
+
+def test_capture_at_start_then_replay() -> None:
+    st = stage(True)
+    st.runner.graphs = EmulatedGraphs()
+    st.runner.capture()  # every (batch bucket, first / later chunk) graph, on padding rows only
+    assert set(st.runner.graphs.fns) == {(b, n, first) for b in (1, 2, 4, 8)
+                                         for n, first in ((INITIAL, True), (CHUNK, False))}
+    ran, ref = drive(st), eager()
+    for a, b in zip(ran.reqs, ref.reqs):
+        assert len(a.deltas) == len(b.deltas)
+        for x, y in zip(a.deltas, b.deltas):
+            np.testing.assert_allclose(x.audio, y.audio, rtol=0, atol=1e-6)

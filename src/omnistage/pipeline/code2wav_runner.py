@@ -69,16 +69,26 @@ class Code2WavGraphRunner:
     def _run_group(self, first: bool, group: list[tuple[StreamState, torch.Tensor]]) -> list[torch.Tensor]:
         k, n = len(group), self.frames[first]
         b = batch_bucket(k, self.batch_sizes)
-        key = (b, n, first)
-        if self.graphs is not None and key not in self.graphs:
-            self.slots[first][:b].fill_(self.streamer.cache.scratch)  # warm-up and capture: padding rows only
-            self.graphs.capture(key, lambda: self._forward(b, first))
+        self._capture(b, first)
         self._load(first, group, b)
-        wav = self._forward(b, first) if self.graphs is None else self.graphs.replay(key)
+        wav = self._forward(b, first) if self.graphs is None else self.graphs.replay((b, n, first))
         # NOTE: a copy: a graph's output is overwritten by its next replay.
         wav = wav[:k, 0].clone()
         full, per_frame = wav.shape[-1], self.samples_per_frame
         return [wav[r, :full - (n - codes.shape[-1]) * per_frame] for r, (_, codes) in enumerate(group)]
+
+    def capture(self) -> None:
+        """Capture now (on CUDA) every (batch bucket, first / later chunk) graph, largest batch first: the
+        shapes are fixed, so none is left for the first requests to pay."""
+        for b in reversed(self.batch_sizes):
+            for first in (True, False):
+                self._capture(b, first)
+
+    def _capture(self, b: int, first: bool) -> None:
+        key = (b, self.frames[first], first)
+        if self.graphs is not None and key not in self.graphs:
+            self.slots[first][:b].fill_(self.streamer.cache.scratch)  # warm-up and capture: padding rows only
+            self.graphs.capture(key, lambda: self._forward(b, first))
 
     def _load(self, first: bool, group: list[tuple[StreamState, torch.Tensor]], b: int) -> None:
         """Live rows' slots and frames into the static buffers; rows past them are padding (scratch slot)."""

@@ -93,5 +93,7 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
                                        initial_chunk_frames=conn.initial_codec_chunk_frames,
                                        chunk_frames=conn.codec_chunk_frames, cuda_graph=cw.cuda_graph,
                                        graph_batch_sizes=cw.graph_batch_sizes()))
+        if code2wavs[-1].runner is not None:
+            code2wavs[-1].runner.capture()
         workers.append(StageWorker(worker_name("code2wav", i, cw.replicas), code2wavs[-1], dev, on_error))
     return thinker_stage, talkers, code2wavs, workers
