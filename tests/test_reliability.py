@@ -5,7 +5,6 @@ dropped streams are aborted in every stage within one step and give everything b
 from __future__ import annotations
 
 import asyncio
-import functools
 import time
 
 import pytest
@@ -24,17 +23,21 @@ SAMPLING = dict(sampling={"temperature": 0, "max_tokens": TOKENS, "ignore_eos": 
 
 
 def deploy():
-    return load_deploy_config(default_deploy_config(tiny_checkpoint("tiny")), platform="cpu")
-
-
-@functools.cache
-def shared() -> Omni:
-    return Omni(tiny_checkpoint("tiny"), deploy=deploy(), device="cpu")
+    """The CPU deploy config with 16 MiB KV caches (thousands of tokens), so engines stay small."""
+    small = {"stages": {"thinker": {"kv_cache_memory": 16 << 20}, "talker": {"kv_cache_memory": 16 << 20}}}
+    return load_deploy_config(default_deploy_config(tiny_checkpoint("tiny")), platform="cpu", overrides=small)
 
 
 def fresh() -> Omni:
-    """An engine of its own, for the faults that end it."""
+    """An engine of its own (shut down by the test), for the faults that end it."""
     return Omni(tiny_checkpoint("tiny"), deploy=deploy(), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def shared():
+    o = fresh()
+    yield o
+    o.engine.shutdown()
 
 
 def submit(o: Omni, ids: list[str]) -> dict[str, ChatResult]:
@@ -86,8 +89,8 @@ PER_REQUEST = [("thinker", "_admit"), ("thinker", "_append"), ("talker", "_admit
 
 
 @pytest.mark.parametrize("stage_name, method", PER_REQUEST)
-def test_a_fault_in_one_request_fails_only_that_request(monkeypatch, stage_name, method):
-    o = shared()
+def test_a_fault_in_one_request_fails_only_that_request(shared, monkeypatch, stage_name, method):
+    o = shared
     stage = o.engine.thinker if stage_name == "thinker" else o.engine.talkers[0]
     worker = next(w for w in o.engine.workers if w.stage is stage)
     failed_before, real = worker.failed_requests, getattr(stage, method)
@@ -126,8 +129,8 @@ def _raise_once(monkeypatch, obj: object, name: str, error: BaseException, stage
 
 
 @pytest.mark.parametrize("where", ["thinker", "talker", "code2wav"])
-def test_a_failed_batched_step_fails_its_requests_and_the_engine_goes_on(monkeypatch, where):
-    o = shared()
+def test_a_failed_batched_step_fails_its_requests_and_the_engine_goes_on(shared, monkeypatch, where):
+    o = shared
     e = o.engine
     stage = {"thinker": e.thinker, "talker": e.talkers[0], "code2wav": e.code2wavs[0]}[where]
     obj, name = {"thinker": lambda: (stage.thinker.model, "forward"),

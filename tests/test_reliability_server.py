@@ -118,7 +118,8 @@ def test_overload_is_a_429_with_retry_after_and_waiting_stays_bounded(tiny_dir):
     args = add_serve_args(argparse.ArgumentParser()).parse_args(
         ["--device", "cpu", "--deploy-config", str(DEPLOY_DIR / "qwen3_omni_moe.yaml"),
          "--max-waiting-requests", "3", "--max-waiting-tokens", "200",
-         "--stage-overrides", '{"thinker": {"max_batch_size": 4}}'])
+         "--stage-overrides", '{"thinker": {"max_batch_size": 4, "kv_cache_memory": 16777216}, '
+                              '"talker": {"kv_cache_memory": 16777216}}'])
     app, engine = build(args)
     peak = {"waiting": 0, "in_flight": 0}
     enter = engine.admission.enter

@@ -178,5 +178,7 @@ class Orchestrator:
                 req.emit(OutputDelta(req.request_id, finished=True, finish_reason="error"))
 
     def shutdown(self) -> None:
+        """Stops the workers; the engine's memory can then be freed (atexit no longer holds it)."""
         for w in self.workers:
             w.stop()
+        atexit.unregister(self.shutdown)
