@@ -1,0 +1,36 @@
+"""A request's state in the talker stage, and which text row its next frame takes."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from omnistage.engine.request import Request
+from omnistage.models.qwen3_omni.rope_index import MRope
+
+
+@dataclass
+class TalkerSeq:
+    req: Request
+    prompt_rows: torch.Tensor  # [Lp, H]
+    seen: torch.Tensor  # [V] bool: generated codebook-0 codes (repetition penalty)
+    texts: deque[torch.Tensor] = field(default_factory=deque)  # thinker embeds of g_1, g_2, ... not yet used
+    num_texts: int = 1  # thinker tokens received (g_0 is in the prompt)
+    thinker_done: bool = False
+    frames: int = 0
+    num_computed: int = 0
+    codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
+    mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
+
+    def next_text(self) -> tuple[torch.Tensor | None, bool] | None:
+        """The text side of the input after the last frame, as `text_rows` takes it (transformers'
+        trailing_text_hidden[t]): (embedding of g_{t+1}, False) once g_{t+2} exists, then (None, True)
+        once for tts_eos, then (None, False) for tts_pad; None = wait for the thinker."""
+        t = self.frames - 1
+        if self.num_texts >= t + 3:
+            return self.texts.popleft(), False
+        if not self.thinker_done:
+            return None
+        return None, t == max(self.num_texts - 2, 0)
