@@ -4,6 +4,8 @@ the live rows' slots and the scratch slot, and CUDA-graph capture emulated on th
 from __future__ import annotations
 
 import contextlib
+import random
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -75,3 +77,11 @@ def settle(check: Callable[[], None], timeout: float = 30.0) -> None:
             if time.time() > deadline:
                 raise
             time.sleep(0.05)
+
+
+def add_and_abort(engine, n: int, make: Callable[[int], object], rng: random.Random, within: float) -> None:
+    """Add requests `make(0..n-1)` to `engine`, each aborted from a timer at a random moment in [0, within) s."""
+    for i in range(n):
+        req = make(i)
+        engine.add_request(req)
+        threading.Timer(rng.uniform(0, within), engine.abort, args=(req.request_id,)).start()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import random
-import threading
 import time
 
 import numpy as np
@@ -15,7 +14,7 @@ from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
-from graph_helpers import settle
+from graph_helpers import add_and_abort, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two, three, four, five."]
 
@@ -93,15 +92,10 @@ def test_random_aborts_free_everything(replicas: int) -> None:
     o = omni(replicas=replicas)
     reference = o.chat(conv(2), **greedy(6, 12))
     rng = random.Random(0)
-    for i in range(100):
-        req = o.engine.make_request(f"a{i}", conv(i), None, want_audio=i % 5 != 0, voice="Ethan", emit=lambda d: None,
-                                    **greedy(rng.randint(1, 12), rng.randint(1, 30)))
-        o.engine.add_request(req)
-        threading.Timer(rng.uniform(0, 0.3), o.engine.abort, args=(f"a{i}",)).start()
-    deadline = time.time() + 60
-    while o.engine.requests and time.time() < deadline:
-        time.sleep(0.05)
-    settle(lambda: _all_free(o))
+    add_and_abort(o.engine, 100, lambda i: o.engine.make_request(
+        f"a{i}", conv(i), None, want_audio=i % 5 != 0, voice="Ethan", emit=lambda d: None,
+        **greedy(rng.randint(1, 12), rng.randint(1, 30))), rng, 0.3)
+    settle(lambda: _all_free(o), 90)
     again = o.chat(conv(2), **greedy(6, 12))
     assert again.token_ids == reference.token_ids and np.array_equal(again.codes, reference.codes)
     np.testing.assert_array_equal(again.audio, reference.audio)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import random
-import threading
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -21,7 +19,7 @@ from omnistage.layers.context import build_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
 import graph_helpers
-from graph_helpers import EmulatedGraphs, settle
+from graph_helpers import EmulatedGraphs, add_and_abort, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -160,16 +158,10 @@ def test_aborts_free_everything() -> None:
     total = stage.blocks.num_blocks
     assert total == omni(False).engine.talkers[0].blocks.num_blocks - 1 == 127  # one block reserved
     rng = random.Random(0)
-    for i in range(40):
-        req = o.engine.make_request(f"g{i}", [{"role": "user", "content": PROMPTS[i % 6]}], None,
-                                    want_audio=True, voice=VOICES[i % 3], emit=lambda d: None,
-                                    sampling={"temperature": 0, "max_tokens": rng.randint(1, 8)},
-                                    talker_sampling={"temperature": 0, "max_frames": rng.randint(1, 30)})
-        o.engine.add_request(req)
-        threading.Timer(rng.uniform(0, 0.4), o.engine.abort, args=(f"g{i}",)).start()
-    deadline = time.time() + 60
-    while o.engine.requests and time.time() < deadline:
-        time.sleep(0.05)
+    add_and_abort(o.engine, 40, lambda i: o.engine.make_request(
+        f"g{i}", [{"role": "user", "content": PROMPTS[i % 6]}], None, want_audio=True, voice=VOICES[i % 3],
+        emit=lambda d: None, sampling={"temperature": 0, "max_tokens": rng.randint(1, 8)},
+        talker_sampling={"temperature": 0, "max_frames": rng.randint(1, 30)}), rng, 0.4)
     e = o.engine
 
     def all_free() -> None:
@@ -178,7 +170,7 @@ def test_aborts_free_everything() -> None:
         for c in e.code2wavs:
             assert not c.seqs and len(c.streamer.cache.free_slots) == c.max_batch_size
 
-    settle(all_free)
+    settle(all_free, 90)
     assert stage.runner.context.scratch not in stage.blocks.free  # still reserved, still out of the pool
     talker = [{"temperature": 0, "max_frames": 17, "ignore_eos": True}] * 2
     again, eager = chat(o, 2, talker), chat(omni(False), 2, talker)

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import functools
 import random
-import threading
-import time
 from dataclasses import replace
 
 import numpy as np
@@ -16,7 +14,7 @@ from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 import graph_helpers
-from graph_helpers import EmulatedGraphs, settle
+from graph_helpers import EmulatedGraphs, add_and_abort, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five.", "Name a colour.", "What is the capital of France?"]
@@ -100,21 +98,15 @@ def test_aborts_free_everything() -> None:
     total = stage.blocks.num_blocks
     assert total == omni(False).engine.thinker.blocks.num_blocks - 1  # one block reserved
     rng = random.Random(0)
-    for i in range(30):
-        req = o.engine.make_request(f"t{i}", [{"role": "user", "content": PROMPTS[i % 6]}], None,
-                                    want_audio=i % 2 == 0, voice="Ethan", emit=lambda d: None,
-                                    sampling={"temperature": 0, "max_tokens": rng.randint(1, 20)},
-                                    talker_sampling={"temperature": 0, "max_frames": rng.randint(1, 10)})
-        o.engine.add_request(req)
-        threading.Timer(rng.uniform(0, 0.4), o.engine.abort, args=(f"t{i}",)).start()
-    deadline = time.time() + 60
-    while o.engine.requests and time.time() < deadline:
-        time.sleep(0.05)
+    add_and_abort(o.engine, 30, lambda i: o.engine.make_request(
+        f"t{i}", [{"role": "user", "content": PROMPTS[i % 6]}], None, want_audio=i % 2 == 0, voice="Ethan",
+        emit=lambda d: None, sampling={"temperature": 0, "max_tokens": rng.randint(1, 20)},
+        talker_sampling={"temperature": 0, "max_frames": rng.randint(1, 10)}), rng, 0.4)
 
     def all_free() -> None:
         assert not o.engine.requests and stage.blocks.num_used == 0 and not stage.running and not stage.waiting
 
-    settle(all_free)
+    settle(all_free, 90)
     assert len(stage.blocks.free) == total and stage.runner.context.scratch not in stage.blocks.free
     sampling = [{"temperature": 0, "max_tokens": 11, "ignore_eos": True}] * 2
     again, eager = chat(o, 2, sampling, audio=False), chat(omni(False), 2, sampling, audio=False)

@@ -6,11 +6,11 @@ graph of (the smallest batch bucket >= B, `width_bucket(need)`). Rows past B are
 Width buckets are powers of two, capped at the widest block table. The batched decode attention
 (`layers.attention.paged_decode_attention`) gathers `width` blocks for every row, so a bucket costs at
 most 2x the gather + SDPA work (and transient memory: rows x width x block_size x KV x D x 2 per layer)
-of the batch's longest context. A (batch, width) pair is captured on the first step that needs it, so
-only the pairs a workload reaches exist: at most ceil(log2(max width)) + 1 per batch bucket, in practice
-a handful (P prompt rows + F frames need widths up to ceil((P + F) / block_size)). The first step of a
-new pair pays one eager warm-up step plus the capture and instantiation (for the talker's ~10k-kernel
-frame step, predicted 0.1-0.3 s at full size; not yet measured), and `torch.cuda.graph` synchronizes the
+of the batch's longest context. Pairs at the deploy config's `cuda_graph_capture_widths` are captured at
+start; any other pair on the first step that needs it, so only the pairs a workload reaches exist: at most
+ceil(log2(max width)) + 1 per batch bucket (P prompt rows + F frames need widths up to
+ceil((P + F) / block_size)). A lazy capture pays one eager warm-up step plus the capture (0.2-0.4 s for
+the talker's frame step at full size on the H200, BENCHMARKS.md), and `torch.cuda.graph` synchronizes the
 device and empties the allocator's cache, stalling the other stages once. Every capture is logged with
 its time and the growth of the reserved memory.
 """

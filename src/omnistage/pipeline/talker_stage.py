@@ -34,9 +34,10 @@ class TalkerStage:
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False,
                  graph_batch_sizes: Sequence[int] = ()) -> None:
-        """`cuda_graph`: decode-only steps go through `TalkerGraphRunner` (static buffers, batches padded to
+        """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
-        elsewhere); one KV block is then reserved for padding rows. Steps with a prefill run eagerly."""
+        elsewhere), prefills as an eager forward plus its head graph; one KV block is then reserved for
+        padding rows."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = next(talker.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -133,9 +134,9 @@ class TalkerStage:
         if not batch:
             return False
         # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
-        groups = [[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]
-        runs = [(g, fb, self._run(fb)) for g in (groups if self.runner else [batch]) if g
-                for fb in [self._frame_batch(g)]]
+        groups = ([[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]
+                  if self.runner else [batch])
+        runs = [(g, fb, self._run(fb)) for g in groups if g for fb in [self._frame_batch(g)]]
         c0 = iter(torch.cat([frames[:, 0] for _, _, (frames, _) in runs]).tolist())  # the step's one host sync
         for group, fb, (frames, codec_embeds) in runs:
             for i, (seq, _) in enumerate(group):

@@ -27,8 +27,8 @@ class ThinkerStage:
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = ()) -> None:
-        """`cuda_graph`: decode-only steps go through `ThinkerGraphRunner` (as the talker stage's runner);
-        one KV block is then reserved for padding rows. Steps with a prefill run eagerly."""
+        """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
+        chunks of the same step eagerly beside them; one KV block is then reserved for padding rows."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
