@@ -1,9 +1,30 @@
-"""RMSNorm (Qwen3 / T5 style: statistics in fp32, weight applied in the input dtype)."""
+"""RMSNorm (Qwen3 / T5 style: statistics in fp32, weight applied in the input dtype), optionally fused
+with rotate-half RoPE (the q/k norms of an attention). `rms_norm` picks the path: the fused Triton
+kernel on CUDA (`layers.triton_ops`), plain torch ops elsewhere."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from omnistage.layers import triton_ops
+from omnistage.layers.rotary import apply_rotary_emb
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
+             sin: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm over the last dim; with `cos/sin [T, D/2]` (x `[T, heads, D]`) RoPE applied after it."""
+    if triton_ops.fast_path(x) and x.shape[-1] % 2 == 0 and weight.dtype == x.dtype:
+        return triton_ops.rms_norm(x, weight, eps, cos, sin)
+    y = rms_norm_reference(x, weight, eps)
+    return y if cos is None else apply_rotary_emb(y, cos, sin)
 
 
 class RMSNorm(nn.Module):
@@ -12,11 +33,9 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(dtype)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None = None, sin: torch.Tensor | None = None
+                ) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, cos, sin)
 
     def extra_repr(self) -> str:
         return f"{tuple(self.weight.shape)}, eps={self.eps}"

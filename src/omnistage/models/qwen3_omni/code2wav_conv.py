@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.layers import triton_ops
+
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav_stream import StreamContext
 
@@ -62,10 +64,8 @@ class CausalTransConv1d(nn.Module):
 
 
 class SnakeBeta(nn.Module):
-    """x + sin(x * e^alpha)^2 / (e^beta + 1e-9), per channel; input [B, C, T].
-
-    Fast path: a fused elementwise kernel replaces this forward (same parameters).
-    """
+    """x + sin(x * e^alpha)^2 / (e^beta + 1e-9), per channel; input [B, C, T]. On CUDA one fused kernel
+    (`layers.triton_ops.snake_beta`), plain torch ops elsewhere."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -73,6 +73,8 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if triton_ops.fast_path(x) and self.alpha.dtype == x.dtype:
+            return triton_ops.snake_beta(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[:, None]
         beta = self.beta.exp()[:, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)

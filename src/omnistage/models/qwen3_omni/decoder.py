@@ -20,7 +20,7 @@ from omnistage.layers.attention import Attention
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.layers.norm import RMSNorm
-from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from omnistage.layers.rotary import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -96,8 +96,8 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
-        q = apply_rotary_emb(self.q_norm(self.q_proj(x).view(t, -1, self.head_dim)), cos, sin)
-        k = apply_rotary_emb(self.k_norm(self.k_proj(x).view(t, -1, self.head_dim)), cos, sin)
+        q = self.q_norm(self.q_proj(x).view(t, -1, self.head_dim), cos, sin)
+        k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim), cos, sin)
         v = self.v_proj(x).view(t, -1, self.head_dim)
         return self.o_proj(self.attn(q, k, v).flatten(1))
 
