@@ -25,6 +25,8 @@ class ForwardContext:
     context_lens: [num_seqs] int32, tokens per sequence incl. the new ones (= KV length to attend to).
     slot_mapping: [T] int64, slot (block * block_size + offset) of each new token in the paged KV cache.
     block_tables: [num_seqs, max_blocks] int32, the KV blocks of each sequence (padding entries unused).
+    kv_slots: [sum(context_lens)] int64, slot of every context token of every sequence in sequence order
+        (`k_cache.view(-1, KV, D)[kv_slots]` is the batch's packed K, offsets `cu_seqlens_k`); prefill only.
     """
 
     is_prefill: bool = False
@@ -36,6 +38,7 @@ class ForwardContext:
     slot_mapping: torch.Tensor | None = None
     block_tables: torch.Tensor | None = None
     block_size: int = 0
+    kv_slots: torch.Tensor | None = None
 
 
 # NOTE: thread-local, because stages (thinker, talker) run forwards concurrently in their own threads.
@@ -68,31 +71,45 @@ def forward_context(ctx: ForwardContext) -> Iterator[ForwardContext]:
         set_context(prev)
 
 
+def token_slots(block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Tensor, total: int,
+                block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions `starts[i] .. starts[i] + lens[i] - 1` of every sequence i, in sequence
+    order: `[total]` int64 with `total = sum(lens)` given by the caller, so no host sync on the device."""
+    seq = torch.repeat_interleave(torch.arange(len(lens), device=lens.device), lens, output_size=total)
+    first_row = lens.cumsum(0) - lens
+    pos = starts[seq] + torch.arange(total, device=lens.device) - first_row[seq]
+    return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
+
+
 def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
                   block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
     """Context for sequences that already hold `num_computed[i]` tokens in the cache and append `num_new[i]`."""
     kv_lens = [c + n for c, n in zip(num_computed, num_new)]
-    slots: list[int] = []
-    for table, start, end in zip(block_tables, num_computed, kv_lens):
+    for table, end in zip(block_tables, kv_lens):
         if math.ceil(end / block_size) > len(table):
             raise ValueError(f"sequence of {end} tokens needs more than {len(table)} blocks of {block_size}")
-        slots += [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
     width = max(len(t) for t in block_tables)
-    tables = [list(t) + [0] * (width - len(t)) for t in block_tables]
+    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
+                          device=device)
+    context_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
+    new_lens = torch.tensor(num_new, dtype=torch.int32, device=device)
+    is_prefill = any(n != 1 for n in num_new)
 
     def cumsum(xs: Sequence[int]) -> torch.Tensor:
         return torch.tensor([0, *xs], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
 
     return ForwardContext(
-        is_prefill=any(n != 1 for n in num_new),
+        is_prefill=is_prefill,
         cu_seqlens_q=cumsum(num_new),
         cu_seqlens_k=cumsum(kv_lens),
         max_seqlen_q=max(num_new),
         max_seqlen_k=max(kv_lens),
-        context_lens=torch.tensor(kv_lens, dtype=torch.int32, device=device),
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=context_lens,
+        slot_mapping=token_slots(tables, context_lens - new_lens, new_lens, sum(num_new), block_size),
+        block_tables=tables,
         block_size=block_size,
+        kv_slots=token_slots(tables, torch.zeros_like(context_lens), context_lens, sum(kv_lens), block_size)
+        if is_prefill else None,
     )
 
 
