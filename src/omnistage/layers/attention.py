@@ -3,16 +3,28 @@
 `Attention` receives already projected, normed and rotated `q [T, H, D]`, `k/v [T, KV, D]`, writes
 k/v into its paged cache (`k_cache/v_cache [num_blocks, block_size, KV, D]`, attached by
 `allocate_kv_cache`) at `slot_mapping`, then attends each sequence's new tokens to its whole context
-through its block table. `paged_attention` is the ONE place that picks the backend.
+through its block table. `paged_attention` is the ONE place that picks the backend:
+- decode steps (one new token per sequence), any device: `paged_decode_attention`, one batched SDPA;
+- prefill on CUDA in fp16/bf16 with a flash-supported head_dim: `paged_prefill_attention`, the batch's
+  context K/V gathered once through `ForwardContext.kv_slots`, then one varlen flash-attention call
+  (`varlen_attention`) for all sequences;
+- any other prefill (CPU, fp32, tests): `paged_attention_reference`, one SDPA per sequence.
+`varlen_attention_reference` is the plain-torch twin of `varlen_attention` (tests compare the two).
 """
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.context import ForwardContext, get_context
+
+VarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float],
+                    torch.Tensor]
 
 
 def store_kvcache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -61,12 +73,58 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     return out[:, :, 0]
 
 
+def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Flash-attention over packed sequences (CUDA, fp16/bf16): q [Tq, H, D], k/v [Tk, KV, D], sequence i
+    at rows `cu_q[i]:cu_q[i+1]` / `cu_k[i]:cu_k[i+1]` (int32). Its queries are the LAST positions of its
+    keys: flash aligns the causal mask bottom-right when q_len < k_len (asserted by the GPU test)."""
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+                                                   scale=scale)[0]
+
+
+def varlen_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
+                               cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+    """Plain-torch `varlen_attention` (same arguments; max_q / max_k, the longest runs, only size the
+    kernel's launch): one bottom-right causal SDPA per sequence (host syncs; tests)."""
+    out = torch.empty_like(q)
+    bq, bk = cu_q.tolist(), cu_k.tolist()
+    for i in range(len(bq) - 1):
+        out[bq[i]:bq[i + 1]] = _causal_sdpa(q[bq[i]:bq[i + 1]], k[bk[i]:bk[i + 1]], v[bk[i]:bk[i + 1]], scale)
+    return out
+
+
+def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            ctx: ForwardContext, scale: float, varlen: VarlenFn = varlen_attention
+                            ) -> torch.Tensor:
+    """The batch's contexts packed by one gather through `ctx.kv_slots`, then one `varlen` call
+    (no host sync, no per-sequence loop)."""
+    k = k_cache.view(-1, *k_cache.shape[2:])[ctx.kv_slots]
+    v = v_cache.view(-1, *v_cache.shape[2:])[ctx.kv_slots]
+    return varlen(q, k, v, ctx.cu_seqlens_q, ctx.cu_seqlens_k, ctx.max_seqlen_q, ctx.max_seqlen_k, scale)
+
+
+@functools.cache
+def _flash_device(device: torch.device) -> bool:
+    return (torch.backends.cuda.is_flash_attention_available()
+            and torch.cuda.get_device_capability(device) >= (8, 0))
+
+
+def flash_prefill_supported(q: torch.Tensor, ctx: ForwardContext) -> bool:
+    """Whether `varlen_attention` runs this prefill: CUDA (sm80+, torch built with flash), fp16/bf16,
+    head_dim a multiple of 8 up to 256, and a context carrying `kv_slots` (as `build_context` makes them)."""
+    head_dim = q.shape[-1]
+    return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+            and ctx.kv_slots is not None and _flash_device(q.device))
+
+
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
                     scale: float) -> torch.Tensor:
-    """Backend choice: batched decode for decode steps, the per-sequence reference for prefill.
+    """Backend choice (see the module docstring).
     NOTE: a CUDA kernel whose decode cost follows each sequence's real length plugs in here."""
     if not ctx.is_prefill:
         return paged_decode_attention(q, k_cache, v_cache, ctx, scale)
+    if flash_prefill_supported(q, ctx):
+        return paged_prefill_attention(q, k_cache, v_cache, ctx, scale)
     return paged_attention_reference(q, k_cache, v_cache, ctx, scale)
 
 
