@@ -22,6 +22,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from
 DEPLOY_DIR = Path(__file__).parent / "deploy"
 STAGE_NAMES = ("thinker", "talker", "code2wav")
 DTYPES = ("bfloat16", "float16", "float32")
+PLACEMENTS = ("local", "ray")
 
 
 class ConfigError(ValueError):
@@ -56,6 +57,7 @@ _memory = _rule(_is_memory, "must be a fraction in (0, 1] of device memory or a 
                 lambda v: int(v) if v > 1 else v)
 _dtype = _rule(lambda v: v in DTYPES, f"must be one of {', '.join(DTYPES)}")
 _mapping = _rule(lambda v: isinstance(v, dict), "must be a mapping")
+_placement = _rule(lambda v: v in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}")
 
 
 def _opt(default: Any, check: Callable[[Any], Any]) -> Any:
@@ -116,7 +118,8 @@ class DeployConfig:
     """`async_chunk`: the talker consumes thinker rows as they are produced (False: it starts after the
     thinker finished). `async_output`: the host handles step N's outputs while step N+1 runs.
     `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
-    prompt tokens) that have not yet produced every output they asked for; past it a 429."""
+    prompt tokens) that have not yet produced every output they asked for; past it a 429.
+    `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray")."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -124,6 +127,7 @@ class DeployConfig:
     async_output: bool = _opt(True, _bool)
     max_waiting_requests: int = _opt(256, _positive_int)
     max_waiting_tokens: int = _opt(262144, _positive_int)
+    placement: str = _opt("local", _placement)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

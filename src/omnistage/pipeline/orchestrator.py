@@ -1,6 +1,6 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
-thread), routes them over replicas, fails a request that fails in a stage (only it), and fails every
-request loudly if a stage dies."""
+thread, or by `ray_placement.build_ray_stages`, each in a Ray actor), routes them over replicas, fails a
+request that fails in a stage (only it), and fails every request loudly if a stage dies."""
 
 from __future__ import annotations
 
@@ -30,24 +30,38 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from
 class Orchestrator:
     def __init__(self, model_dir: str | Path, *, deploy: DeployConfig | None = None, load_format: str = "auto",
                  device: str | torch.device | None = None, dtype: str | torch.dtype | None = None,
-                 seed: int = 0, media_policy: MediaPolicy | None = None) -> None:
+                 seed: int = 0, media_policy: MediaPolicy | None = None,
+                 placement: str | None = None) -> None:
         """`device` (if given) places every stage there; otherwise replica i of a stage goes to its deploy
-        `devices[i % len(devices)]`. The thinker is single; talker and code2wav may have replicas."""
+        `devices[i % len(devices)]`. The thinker is single; talker and code2wav may have replicas.
+        `placement`: "local" (threads of this process) or "ray" (actors); default: the deploy config's."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         self.processor = PromptProcessor(model_dir, media_policy)
-        placement = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
-        self.thinker, self.talkers, self.code2wavs, self.workers = build_stages(
-            placement, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
-        self.talker_router, self.code2wav_router = Router(len(self.talkers)), Router(len(self.code2wavs))
+        p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.requests: dict[str, Request] = {}
+        args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
+        if (placement or self.deploy.placement) == "ray":
+            from omnistage.pipeline.ray_placement import build_ray_stages
+
+            self.stages = build_ray_stages(*args, lookup=self.requests.get)
+        else:
+            self.stages = build_stages(*args)
+        self.talker_router = Router(len(self.stages.talkers))
+        self.code2wav_router = Router(len(self.stages.code2wavs))
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
         self._done = threading.Condition()
         self._error: BaseException | None = None
-        for w in self.workers:
-            w.start()
+        for h in self.stages:
+            h.start()
         # NOTE: worker threads still inside torch at interpreter exit abort the process (std::terminate).
         atexit.register(self.shutdown)
+
+    # NOTE: the stage objects and their workers exist in this process with the local placement only.
+    thinker = property(lambda self: self.stages.thinker.stage)
+    talkers = property(lambda self: [h.stage for h in self.stages.talkers])
+    code2wavs = property(lambda self: [h.stage for h in self.stages.code2wavs])
+    workers = property(lambda self: [h.worker for h in self.stages])
 
     @property
     def voices(self) -> list[str]:
@@ -64,13 +78,13 @@ class Orchestrator:
             del self._held[chunk.request.request_id]
         else:
             held = [chunk]
-        talker = self.talkers[self._pick(self.talker_router, chunk)]
+        talker = self.stages.talkers[self._pick(self.talker_router, chunk)]
         for c in held:
             talker.add(c)
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
         if not chunk.request.aborted:
-            self.code2wavs[self._pick(self.code2wav_router, chunk)].add(chunk)
+            self.stages.code2wavs[self._pick(self.code2wav_router, chunk)].add(chunk)
 
     @staticmethod
     def _pick(router: Router, chunk: TextChunk | FrameChunk) -> int:
@@ -95,34 +109,33 @@ class Orchestrator:
         voice = voice or "Ethan"
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
-        need, room = len(prompt.input_ids) + sp.max_tokens, self.thinker.blocks.capacity
+        need, room = len(prompt.input_ids) + sp.max_tokens, self.stages.thinker.kv_capacity
         if need > room:
             raise ValueError(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sp.max_tokens}) = {need} "
                              f"exceeds the thinker's KV cache ({room} tokens)")
-        if want_audio and len(prompt.input_ids) + 9 + tp.max_frames > self.talkers[0].blocks.capacity:
+        talker = self.stages.talkers[0] if self.stages.talkers else None
+        if want_audio and talker and len(prompt.input_ids) + 9 + tp.max_frames > talker.kv_capacity:
             raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
-                             f"({self.talkers[0].blocks.capacity} rows)")
+                             f"({talker.kv_capacity} rows)")
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
         requests failed, busy steps with their wall seconds and batch rows (for /metrics)."""
-        return {w.name: {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests,
-                         "steps": w.steps, "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
-                for w in self.workers}
+        return {h.name: h.stats() for h in self.stages}
 
     @property
     def error(self) -> BaseException | None:
         """Set once a stage has died (its worker ended); the engine then refuses new requests."""
-        if self._error is None and not all(w.alive for w in self.workers):
-            dead = [w.name for w in self.workers if not w.alive]
+        if self._error is None and not all(h.alive for h in self.stages):
+            dead = [h.name for h in self.stages if not h.alive]
             self._on_error(EngineDeadError(f"stage worker(s) {', '.join(dead)} stopped"))
         return self._error
 
     def add_request(self, req: Request) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self._error!r}")
-        if req.want_audio and not self.talkers:
+        if req.want_audio and not self.stages.talkers:
             raise ValueError("this checkpoint has no audio output (enable_audio_output is false)")
         emit = req.emit
 
@@ -134,7 +147,7 @@ class Orchestrator:
         req.emit = emit_and_forget
         with self._done:
             self.requests[req.request_id] = req
-        self.thinker.add(req)
+        self.stages.thinker.add(req)
 
     def _forget(self, request_id: str) -> bool:
         with self._done:
@@ -154,8 +167,8 @@ class Orchestrator:
         if not self._forget(request_id):
             return False
         self._held.pop(request_id, None)
-        for w in self.workers:
-            w.abort(request_id)
+        for h in self.stages:
+            h.abort(request_id)
         return True
 
     def wait(self, request_ids: list[str]) -> None:
@@ -179,6 +192,6 @@ class Orchestrator:
 
     def shutdown(self) -> None:
         """Stops the workers; the engine's memory can then be freed (atexit no longer holds it)."""
-        for w in self.workers:
-            w.stop()
+        for h in self.stages:
+            h.stop()
         atexit.unregister(self.shutdown)

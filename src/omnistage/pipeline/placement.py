@@ -1,5 +1,6 @@
 """Where each stage runs: its model built on its device (replica i of a stage on the deploy config's
-`devices[i % len(devices)]`), its KV cache sized from the deploy config, and its worker thread."""
+`devices[i % len(devices)]`), its KV cache sized from the deploy config, and its worker thread; or, with
+`placement: ray`, each replica in a Ray actor (pipeline/ray_placement.py) built by the same `build_replica`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 from omnistage.config import DeployConfig, StageConfig
 from omnistage.models.qwen3_omni.model import build_stage, resolve_dtype
 from omnistage.pipeline.code2wav_stage import Code2WavStage
+from omnistage.pipeline.stage_handle import LocalStage, StageHandles
 from omnistage.pipeline.talker_stage import TalkerStage
 from omnistage.pipeline.thinker_stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
@@ -62,38 +64,57 @@ def worker_name(stage: str, replica: int, replicas: int) -> str:
     return stage if replicas == 1 else f"{stage}{replica}"
 
 
-def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
-                 on_error: Callable[[BaseException], None]
-                 ) -> tuple[ThinkerStage, list[TalkerStage], list[Code2WavStage], list[StageWorker]]:
-    """The thinker, the talker and code2wav replicas (none without audio output), and their workers."""
-    th, th_dev, th_dt, thinker = p.build("thinker")
-    thinker_stage = ThinkerStage(thinker, p.config, tokenizer, to_talker, max_batch_size=th.max_batch_size,
-                                 max_num_batched_tokens=th.max_num_batched_tokens,
-                                 num_blocks=num_blocks(th, thinker, th_dev, th_dt), block_size=th.block_size,
-                                 cuda_graph=th.cuda_graph, graph_batch_sizes=th.graph_batch_sizes())
-    capture(thinker_stage, th)
-    workers = [StageWorker("thinker", thinker_stage, th_dev, on_error)]
-    talkers: list[TalkerStage] = []
-    code2wavs: list[Code2WavStage] = []
-    if not p.config.enable_audio_output:
-        return thinker_stage, talkers, code2wavs, workers
+def replica_names(p: Placement) -> list[tuple[str, int, str]]:
+    """(stage, replica, worker name) of every stage replica, thinker first (no talker and code2wav
+    without audio output)."""
+    names = ["thinker", "talker", "code2wav"] if p.config.enable_audio_output else ["thinker"]
+    return [(name, i, worker_name(name, i, p.deploy.stage(name).replicas))
+            for name in names for i in range(p.deploy.stage(name).replicas)]
+
+
+def build_replica(p: Placement, name: str, replica: int = 0, to_next: Callable | None = None, *,
+                  tokenizer: Any = None, tts: torch.Tensor | None = None
+                  ) -> tuple[ThinkerStage | TalkerStage | Code2WavStage, torch.device]:
+    """One stage replica on its device, its CUDA graphs captured. `to_next` takes its payloads (thinker ->
+    talker -> code2wav); the thinker needs `tokenizer`, the talker the thinker's `tts_embeds`."""
+    sc, dev, dt, module = p.build(name, replica)
+    if name == "thinker":
+        stage = ThinkerStage(module, p.config, tokenizer, to_next, max_batch_size=sc.max_batch_size,
+                             max_num_batched_tokens=sc.max_num_batched_tokens,
+                             num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
+                             cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes())
+    elif name == "talker":
+        stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
+                            num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
+                            cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes())
+    else:
+        conn = p.deploy.connector
+        stage = Code2WavStage(module, max_batch_size=sc.max_batch_size,
+                              initial_chunk_frames=conn.initial_codec_chunk_frames,
+                              chunk_frames=conn.codec_chunk_frames, cuda_graph=sc.cuda_graph,
+                              graph_batch_sizes=sc.graph_batch_sizes())
+        if stage.runner is not None:
+            stage.runner.capture()
+        return stage, dev
+    capture(stage, sc)
+    return stage, dev
+
+
+def tts_embeds(p: Placement, thinker: ThinkerStage) -> torch.Tensor:
+    """The thinker's embeddings of tts_bos, tts_eos and tts_pad, which every talker replica needs."""
     ids = [p.config.tts_bos_token_id, p.config.tts_eos_token_id, p.config.tts_pad_token_id]
-    tts = thinker.model.embed_tokens(torch.tensor(ids, device=th_dev))
-    for i in range(p.deploy.stages.talker.replicas):
-        tk, dev, dt, talker = p.build("talker", i)
-        talkers.append(TalkerStage(talker, p.config, to_code2wav, tts, max_batch_size=tk.max_batch_size,
-                                   num_blocks=num_blocks(tk, talker, dev, dt), block_size=tk.block_size,
-                                   cuda_graph=tk.cuda_graph, graph_batch_sizes=tk.graph_batch_sizes()))
-        capture(talkers[-1], tk)
-        workers.append(StageWorker(worker_name("talker", i, tk.replicas), talkers[-1], dev, on_error))
-    conn = p.deploy.connector
-    for i in range(p.deploy.stages.code2wav.replicas):
-        cw, dev, _, code2wav = p.build("code2wav", i)
-        code2wavs.append(Code2WavStage(code2wav, max_batch_size=cw.max_batch_size,
-                                       initial_chunk_frames=conn.initial_codec_chunk_frames,
-                                       chunk_frames=conn.codec_chunk_frames, cuda_graph=cw.cuda_graph,
-                                       graph_batch_sizes=cw.graph_batch_sizes()))
-        if code2wavs[-1].runner is not None:
-            code2wavs[-1].runner.capture()
-        workers.append(StageWorker(worker_name("code2wav", i, cw.replicas), code2wavs[-1], dev, on_error))
-    return thinker_stage, talkers, code2wavs, workers
+    return thinker.thinker.model.embed_tokens(torch.tensor(ids, device=thinker.device))
+
+
+def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
+                 on_error: Callable[[BaseException], None]) -> StageHandles:
+    """Every stage replica in this process, each with its worker thread (not started yet)."""
+    handles: list[tuple[str, LocalStage]] = []
+    tts = None
+    for name, i, wname in replica_names(p):
+        to_next = {"thinker": to_talker, "talker": to_code2wav}.get(name)
+        stage, dev = build_replica(p, name, i, to_next, tokenizer=tokenizer, tts=tts)
+        if name == "thinker" and p.config.enable_audio_output:
+            tts = tts_embeds(p, stage)
+        handles.append((name, LocalStage(StageWorker(wname, stage, dev, on_error))))
+    return StageHandles.of(handles)

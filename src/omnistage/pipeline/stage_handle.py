@@ -1,0 +1,95 @@
+"""What the orchestrator holds of each stage replica: a handle with one small interface, whether the
+replica runs in this process (`LocalStage`: the stage and its worker thread) or in a Ray actor
+(`pipeline/ray_placement.RayStage`). The request lifecycle in `Orchestrator` is the same for both."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from omnistage.pipeline.worker import StageWorker
+
+
+class StageHandle(Protocol):
+    name: str  # the worker's name: "thinker", "talker" (or "talker0", "talker1", ... with replicas), ...
+    kv_capacity: int | None  # tokens the stage's KV cache holds (None for code2wav)
+
+    def add(self, item: Any) -> None:
+        """A Request (thinker), TextChunk (talker) or FrameChunk (code2wav); never blocks."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> dict[str, int | float]: ...
+
+    @property
+    def num_active(self) -> int: ...
+
+    @property
+    def alive(self) -> bool: ...
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+def worker_stats(w: StageWorker) -> dict[str, int | float]:
+    """A stage's stats with its worker's counters: what `Orchestrator.stats` reports per stage."""
+    return {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests, "steps": w.steps,
+            "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
+
+
+def kv_capacity(stage: Any) -> int | None:
+    blocks = getattr(stage, "blocks", None)
+    return None if blocks is None else blocks.capacity
+
+
+class LocalStage:
+    """A stage replica in this process, driven by its worker thread."""
+
+    def __init__(self, worker: StageWorker) -> None:
+        self.worker, self.stage, self.name = worker, worker.stage, worker.name
+        self.kv_capacity = kv_capacity(worker.stage)
+
+    def add(self, item: Any) -> None:
+        self.stage.add(item)
+
+    def abort(self, request_id: str) -> None:
+        self.worker.abort(request_id)
+
+    def stats(self) -> dict[str, int | float]:
+        return worker_stats(self.worker)
+
+    @property
+    def num_active(self) -> int:
+        return self.stage.num_active
+
+    @property
+    def alive(self) -> bool:
+        return self.worker.alive
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
+
+
+@dataclass
+class StageHandles:
+    """The thinker, the talker replicas and the code2wav replicas (none without audio output)."""
+
+    thinker: StageHandle
+    talkers: list[StageHandle]
+    code2wavs: list[StageHandle]
+
+    @classmethod
+    def of(cls, handles: list[tuple[str, StageHandle]]) -> StageHandles:
+        """From (stage name, handle) pairs."""
+        by = {name: [h for n, h in handles if n == name] for name in ("thinker", "talker", "code2wav")}
+        return cls(by["thinker"][0], by["talker"], by["code2wav"])
+
+    def __iter__(self) -> Iterator[StageHandle]:
+        yield self.thinker
+        yield from self.talkers
+        yield from self.code2wavs
