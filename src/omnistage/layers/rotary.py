@@ -40,7 +40,7 @@ class RotaryEmbedding(nn.Module):
             pos = positions.index_select(0, self.mrope_axis).t()
         else:
             pos = positions[:, None]
-        freqs = pos.float() * self.inv_freq
+        freqs = (pos.float() * self.inv_freq).contiguous()
         return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 

@@ -16,6 +16,8 @@ from typing import Any, Sequence
 
 import torch
 
+from omnistage.layers import triton_ops
+
 _M32 = 0xFFFFFFFF
 
 
@@ -135,9 +137,15 @@ def sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor, seen:
     greedy = greedy_view.argmax(-1)
     if st.all_greedy:
         return greedy
-    noise = exponential_noise(st.seeds, steps, logits.shape[-1])
-    drawn = (sample_view - noise.log()).argmax(-1)
+    drawn = race(sample_view, st.seeds, steps)
     return torch.where(st.temperature > 0, drawn, greedy)
+
+
+def race(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """The exponential race: `argmax(scores - log E)` per row; one fused kernel on CUDA."""
+    if triton_ops.fast_path(scores) and scores.dtype == torch.float32:
+        return triton_ops.race_argmax(scores, seeds, steps)
+    return (scores - exponential_noise(seeds, steps, scores.shape[-1]).log()).argmax(-1)
 
 
 def record_tokens(tokens: torch.Tensor, seen: torch.Tensor | None = None,

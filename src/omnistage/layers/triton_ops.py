@@ -7,6 +7,9 @@ runs 15 code-predictor passes of 5 layers: launches, not bytes, bound it; BENCHM
 - `rms_norm(x, w, eps, cos, sin)`: RMSNorm over the last dim, then (with cos/sin) rotate-half RoPE;
   q/k norm + RoPE of a layer are one kernel each instead of 2 x 14.
 - `snake_beta(x, alpha, beta)`: code2wav's SnakeBeta, one pass instead of five over the largest tensors.
+- `race_argmax(scores, seeds, steps)`: a sampled draw (`layers.sampling`: hash noise, exponential race,
+  argmax) in one kernel per row instead of ~70 integer kernels over [B, vocab]; exact (integer hash, the
+  same libdevice logf as torch).
 `OMNISTAGE_FUSED_OPS=0` turns the fast path off (ablation and A/B checks).
 """
 
@@ -27,8 +30,9 @@ ENABLED = os.environ.get("OMNISTAGE_FUSED_OPS", "1") != "0"
 
 
 def fast_path(x: torch.Tensor) -> bool:
-    """Fused kernels for CUDA half-precision tensors when Triton is present and not switched off."""
-    return ENABLED and triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    """Fused kernels for CUDA floating tensors when Triton is present and not switched off."""
+    return (ENABLED and triton is not None and x.is_cuda
+            and x.dtype in (torch.bfloat16, torch.float16, torch.float32))
 
 
 if triton is not None:
@@ -74,6 +78,35 @@ if triton is not None:
         y = (inv * (s * s).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         tl.store(out_ptr + base + cols, (x + y).to(dt), mask=m)
 
+    @triton.jit
+    def _fmix32(x):
+        x = x ^ (x >> 16)
+        x = x * 0x85EBCA6B
+        x = x ^ (x >> 13)
+        x = x * 0xC2B2AE35
+        return x ^ (x >> 16)
+
+    @triton.jit
+    def _race_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed = tl.load(seeds_ptr + row)
+        lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = _fmix32(_fmix32(lo) ^ hi)
+        key = _fmix32(key + (tl.load(steps_ptr + row) & 0xFFFFFFFF).to(tl.uint32))
+        mix = _fmix32(key ^ 0x5BD1E995)
+        best, best_i = -float("inf"), 0
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < vocab
+            h = _fmix32(_fmix32(key + cols.to(tl.uint32)) ^ mix)
+            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            score = tl.load(x_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=-float("inf"))
+            score = tl.where(m, score - libdevice.log(-libdevice.log(u)), -float("inf"))
+            v, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
+            if v > best:
+                best, best_i = v, start + i
+        tl.store(out_ptr + row, best_i.to(tl.int64))
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
              sin: torch.Tensor | None = None) -> torch.Tensor:
@@ -85,6 +118,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
     rows = x.numel() // d
     heads = x.shape[1] if cos is not None else 1
     rope = cos is not None
+    if rope:
+        cos, sin = cos.contiguous(), sin.contiguous()  # NOTE: M-RoPE tables are transposed views
     _rms_norm_rope_kernel[(rows,)](x, weight, cos if rope else x, sin if rope else x, out, d // 2, heads, eps,
                                    ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
     return out
@@ -97,4 +132,13 @@ def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torc
     out = torch.empty_like(x)
     block = 1024
     _snake_beta_kernel[(b * c, triton.cdiv(t, block))](x, alpha, beta, out, t, c, BLOCK=block)
+    return out
+
+
+def race_argmax(scores: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """`argmax(scores - log(exponential_noise(seeds, steps)))` per row of fp32 `scores [B, V]` -> [B] int64."""
+    scores = scores.contiguous()
+    out = torch.empty(scores.shape[0], dtype=torch.long, device=scores.device)
+    _race_argmax_kernel[(scores.shape[0],)](scores, seeds.contiguous(), steps.contiguous(), out, scores.shape[1],
+                                           BLOCK=1024)
     return out
