@@ -84,6 +84,7 @@ def test_precedence_cli_over_platform_over_file_over_defaults(tmp_path):
      "stages.talker.sampling: unknown TalkerSamplingParams field(s): ['topk']"),
     ({"thinker": {"sampling": {"top_p": 0}}}, "stages.thinker.sampling: top_p must be in (0, 1]"),
     ({"code2wav": {"sampling": {"temperature": 0.5}}}, "stages.code2wav.sampling: code2wav does not sample"),
+    ({"talker": {"stream_priority": 1}}, "stages.talker.stream_priority: must be an integer in [-5, 0]"),
     ({"thinker": {"cuda_graph": True}},
      "stages.thinker.cuda_graph: CUDA graphs are not available on platform 'cpu'"),
     ('{"talker": ', "--stage-overrides: invalid JSON"),

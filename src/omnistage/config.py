@@ -57,6 +57,10 @@ _memory = _rule(_is_memory, "must be a fraction in (0, 1] of device memory or a 
                 lambda v: int(v) if v > 1 else v)
 _dtype = _rule(lambda v: v in DTYPES, f"must be one of {', '.join(DTYPES)}")
 _mapping = _rule(lambda v: isinstance(v, dict), "must be a mapping")
+_priority = _rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and -5 <= v <= 0,
+                  "must be an integer in [-5, 0] (lower runs first)")
+_interval = _rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100,
+                  "must be a number of milliseconds in (0, 100]", float)
 _placement = _rule(lambda v: v in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}")
 
 
@@ -71,8 +75,9 @@ def _sub(cls: type) -> Any:
 @dataclass(frozen=True)
 class StageConfig:
     """`kv_cache_memory`: share of the device's total memory (<= 1) or bytes (> 1); `max_num_batched_tokens`:
-    token budget of one step; replica i runs on `devices[i % len(devices)]`; `sampling`: default fields of
-    SamplingParams (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
+    token budget of one step; replica i runs on `devices[i % len(devices)]`; `stream_priority`: the CUDA
+    stream priority of its steps (stages share a GPU); `sampling`: default fields of SamplingParams
+    (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
 
     devices: tuple[int, ...] = _opt((0,), _devices)
     replicas: int = _opt(1, _positive_int)
@@ -84,6 +89,7 @@ class StageConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = _opt((), _sizes)
     cuda_graph_capture_widths: tuple[int, ...] = _opt((), _sizes)  # KV blocks per row captured at start
     dtype: str = _opt("bfloat16", _dtype)
+    stream_priority: int = _opt(0, _priority)  # CUDA stream priority of the stage's worker
     sampling: dict = field(default_factory=dict, metadata={"check": _mapping})
 
     @property
@@ -119,7 +125,9 @@ class DeployConfig:
     thinker finished). `async_output`: the host handles step N's outputs while step N+1 runs.
     `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
     prompt tokens) that have not yet produced every output they asked for; past it a 429.
-    `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray")."""
+    `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray").
+    `switch_interval_ms`: Python's thread switch interval in this process (stage threads share one GIL;
+    Python's default is 5 ms)."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -128,6 +136,7 @@ class DeployConfig:
     max_waiting_requests: int = _opt(256, _positive_int)
     max_waiting_tokens: int = _opt(262144, _positive_int)
     placement: str = _opt("local", _placement)
+    switch_interval_ms: float = _opt(5.0, _interval)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

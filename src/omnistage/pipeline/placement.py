@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -116,5 +117,7 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
         stage, dev = build_replica(p, name, i, to_next, tokenizer=tokenizer, tts=tts)
         if name == "thinker" and p.config.enable_audio_output:
             tts = tts_embeds(p, stage)
-        handles.append((name, LocalStage(StageWorker(wname, stage, dev, on_error))))
+        worker = StageWorker(wname, stage, dev, on_error, p.deploy.stage(name).stream_priority)
+        handles.append((name, LocalStage(worker)))
+    sys.setswitchinterval(p.deploy.switch_interval_ms / 1e3)  # NOTE: process-wide; the stages' threads share it
     return StageHandles.of(handles)

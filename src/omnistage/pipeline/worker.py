@@ -23,10 +23,11 @@ logger = logging.getLogger(__name__)
 
 class StageWorker:
     def __init__(self, name: str, stage: Any, device: torch.device,
-                 on_error: Callable[..., None]) -> None:
+                 on_error: Callable[..., None], priority: int = 0) -> None:
         """`on_error(error, requests)`: those requests failed (the stage has let go of them);
-        `on_error(error)`: the stage is dead."""
+        `on_error(error)`: the stage is dead. `priority`: its CUDA stream's (negative runs first)."""
         self.name, self.stage, self.device, self.on_error = name, stage, device, on_error
+        self.priority = priority
         self._unblamed = 0  # consecutive failed steps with no request to blame
         self.failed_requests = 0  # requests this stage failed (for the metrics)
         self.steps, self.busy_seconds, self.step_rows = 0, 0.0, 0  # busy steps, their wall time and batch rows
@@ -51,7 +52,7 @@ class StageWorker:
         if self.device.type != "cuda":
             return contextlib.nullcontext()
         torch.cuda.set_device(self.device)
-        return torch.cuda.stream(torch.cuda.Stream(self.device))
+        return torch.cuda.stream(torch.cuda.Stream(self.device, priority=self.priority))
 
     def _run(self) -> None:
         try:
