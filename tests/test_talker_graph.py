@@ -35,7 +35,8 @@ def omni(graph: bool) -> Omni:
     cfg = load_deploy_config(default_deploy_config(d), platform="cpu", overrides=small)
     # NOTE: the deploy config refuses cuda_graph on the cpu platform; set past validation, it means
     # "runner on, graphs captured only on CUDA": the static-buffer path runs eagerly here.
-    talker = replace(cfg.stages.talker, cuda_graph=graph, cuda_graph_batch_sizes=SIZES)
+    talker = replace(cfg.stages.talker, cuda_graph=graph, cuda_graph_batch_sizes=SIZES,
+                       cuda_graph_capture_widths=(1,))  # every width bucket reachable
     return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker)), device="cpu")
 
 
@@ -59,6 +60,7 @@ def chat(o: Omni, n: int, talker_sampling: list[dict], seeds: list[int] | None =
 def test_buckets_and_static_context() -> None:
     assert [batch_bucket(n, SIZES) for n in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, None]
     assert [width_bucket(n, 12) for n in (1, 2, 3, 4, 5, 8, 9, 16)] == [1, 2, 4, 4, 8, 8, 12, 12]
+    assert [width_bucket(n, 12, 4) for n in (1, 3, 5, 16)] == [4, 4, 8, 12]  # short contexts reuse width 4
     tables, computed = [[3, 7, 1], [5, 2]], [9, 4]
     static = StaticDecodeContext(4, 6, BLOCK, 9, "cpu")
     static.fill(computed, tables, 4, 4)

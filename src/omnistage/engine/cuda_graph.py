@@ -39,9 +39,11 @@ def batch_bucket(rows: int, sizes: Sequence[int]) -> int | None:
     return next((s for s in sizes if s >= rows), None)
 
 
-def width_bucket(need: int, max_width: int) -> int:
-    """KV blocks a decode graph gathers per row: the next power of two >= `need`, at most `max_width`."""
-    return min(1 << max(need - 1, 0).bit_length(), max_width)
+def width_bucket(need: int, max_width: int, minimum: int = 1) -> int:
+    """KV blocks a decode graph gathers per row: the next power of two >= `need` and >= `minimum` (the
+    narrowest width captured at start, so short contexts replay it rather than capture their own), at
+    most `max_width`."""
+    return min(max(1 << max(need - 1, 0).bit_length(), minimum), max_width)
 
 
 class StaticDecodeContext:

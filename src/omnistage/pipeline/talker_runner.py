@@ -54,6 +54,7 @@ class TalkerGraphRunner:
         dev = p.device
         self.talker, self.batch_sizes = talker, sorted(batch_sizes)
         self.max_width, self.block_size = max_width, block_size
+        self.min_width = 1  # the narrowest width captured at start (see `width_bucket`)
         rows, vocab = self.batch_sizes[-1], talker.codec_head.out_features
         # NOTE: graphs hold the code predictor's cache by address: size it for the largest batch any step
         # (graph or eager) runs, so `CodePredictor.predict` never reallocates it.
@@ -76,7 +77,7 @@ class TalkerGraphRunner:
         b = batch_bucket(n, self.batch_sizes)
         if b is None:
             return None
-        w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width)
+        w = width_bucket(-(-(max(batch.num_computed) + 1) // self.block_size), self.max_width, self.min_width)
         self._capture_step(b, w)
         self._load(b, w, batch, self.inputs, batch.inputs)
         return self._outputs(self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w)), batch)
@@ -95,6 +96,7 @@ class TalkerGraphRunner:
     def capture(self, widths: Sequence[int]) -> None:
         """Capture now (on CUDA) every batch bucket's head graph and its step graphs for `widths` (KV blocks
         per row), largest batch first; other widths are captured when first needed."""
+        self.min_width = min(widths, default=1)
         for b in reversed(self.batch_sizes):
             self._capture_head(b)
             for w in widths:

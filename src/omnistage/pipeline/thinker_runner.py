@@ -33,6 +33,7 @@ class ThinkerGraphRunner:
         dev = next(thinker.parameters()).device
         self.thinker, self.batch_sizes = thinker, sorted(batch_sizes)
         self.max_width, self.block_size = max_width, block_size
+        self.min_width = 1  # the narrowest width captured at start (see `width_bucket`)
         rows, vocab = self.batch_sizes[-1], thinker.lm_head.out_features
         self.ints = torch.zeros(3 + len(_INTS), rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
@@ -49,7 +50,8 @@ class ThinkerGraphRunner:
         b = batch_bucket(n, self.batch_sizes)
         if b is None:
             return None
-        w = width_bucket(-(-(max(s.num_computed for s in seqs) + 1) // self.block_size), self.max_width)
+        need = -(-(max(s.num_computed for s in seqs) + 1) // self.block_size)
+        w = width_bucket(need, self.max_width, self.min_width)
         self._capture(b, w)
         self._load(b, w, seqs, tables)
         tokens, embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
@@ -59,6 +61,7 @@ class ThinkerGraphRunner:
     def capture(self, widths: Sequence[int]) -> None:
         """Capture now (on CUDA) every batch bucket's graphs for `widths` (KV blocks per row), largest batch
         first; other widths are captured when first needed."""
+        self.min_width = min(widths, default=1)
         for b in reversed(self.batch_sizes):
             for w in widths:
                 self._capture(b, width_bucket(w, self.max_width))
