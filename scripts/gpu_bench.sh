@@ -16,7 +16,8 @@
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
 # BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl),
 # BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json),
-# BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C (ablation rows, see below; empty: none).
+# BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C (ablation rows, see below; empty: none),
+# BENCH_STAGE_OVERRIDES (the main server's --stage-overrides JSON, e.g. a two-GPU layout).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
@@ -88,7 +89,7 @@ start_server() {
 # The deploy config as shipped; should it fail its smoke request, the newest graphs go first, then all graphs.
 NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
 up=0
-for overrides in "" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
+for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
   start_server "$OUT/server.log" ${overrides:+--stage-overrides "$overrides"} && { up=1; break; }
   cp "$OUT/server.log" "$OUT/server-failed-$((SECONDS - T0)).log"
 done
