@@ -1,0 +1,118 @@
+"""The actor side of `placement: ray`: one stage replica in a Ray actor, built by `placement.build_replica`
+and driven by its own `StageWorker` thread, as in the local placement.
+
+A request reaches the actor once as a plain copy (`request_spec`), then its payloads by id. What the
+stage does to a request (output deltas, a part done, payloads for the next stage, failures) queues as an
+`Event` in the actor's outbox, which the driver's `RayStage` pump drains and dispatches to the driver's
+request and router. Payload tensors are copied to the CPU before they leave the actor.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import fields, is_dataclass, replace
+from typing import Any
+
+import ray
+import torch
+
+from omnistage.engine.request import Request
+from omnistage.pipeline.connector import Inbox
+from omnistage.pipeline.placement import Placement, build_replica, tts_embeds
+from omnistage.pipeline.stage_handle import kv_capacity, worker_stats
+from omnistage.pipeline.worker import StageWorker
+
+# The Request fields the stages read: a request's plain copy in an actor is built from these.
+SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
+
+# (kind, request id, payload, the copy's usage, the copy's finish_reason); kinds: "emit" (an OutputDelta),
+# "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead" (payload: the
+# error's repr; "dead" has no request).
+Event = tuple[str, str | None, Any, Any, str | None]
+
+
+def request_spec(req: Request) -> dict[str, Any]:
+    return {f: getattr(req, f) for f in SPEC_FIELDS}
+
+
+def to_cpu(payload: Any) -> Any:
+    """A payload dataclass with its tensors (nested dataclasses' too) copied to the CPU, compact (a view
+    would pickle its whole storage)."""
+    changes = {}
+    for f in fields(payload):
+        v = getattr(payload, f.name)
+        if isinstance(v, torch.Tensor):
+            changes[f.name] = v.to("cpu", copy=True)
+        elif is_dataclass(v):
+            changes[f.name] = to_cpu(v)
+    return replace(payload, **changes)
+
+
+@ray.remote(concurrency_groups={"outbox": 1})
+class StageActor:
+    """`add` / `abort` run in the actor's default group (one thread: in submission order); `drain` in its
+    own group, so a waiting drain never holds them up."""
+
+    def __init__(self, p: Placement, name: str, replica: int, worker_name: str, tokenizer: Any = None,
+                 tts: torch.Tensor | None = None) -> None:
+        self.p = p
+        self.outbox: Inbox[Event] = Inbox(threading.Event())
+        self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
+        to_next = None if name == "code2wav" else self._to_next
+        self.stage, device = build_replica(p, name, replica, to_next, tokenizer=tokenizer, tts=tts)
+        self.worker = StageWorker(worker_name, self.stage, device, self._on_error)
+
+    def info(self) -> dict[str, Any]:
+        return {"kv_capacity": kv_capacity(self.stage), "stats": worker_stats(self.worker)}
+
+    def tts_embeds(self) -> torch.Tensor:
+        """The thinker actor's tts embeddings, for the talker actors."""
+        return tts_embeds(self.p, self.stage).to("cpu", copy=True)
+
+    def start(self) -> None:
+        self.worker.start()
+
+    def add(self, request_id: str, spec: dict[str, Any] | None, payload: Any) -> None:
+        """`spec` comes with a request's first payload to this actor; `payload` None: the request itself."""
+        req = self.requests.get(request_id)
+        if req is None:
+            if spec is None:
+                return  # NOTE: this replica is done with it (a talker that ended before the thinker did)
+            req = self._open(spec)
+        self.stage.add(req if payload is None else replace(payload, request=req))
+
+    def abort(self, request_id: str) -> None:
+        req = self.requests.pop(request_id, None)
+        if req is not None:
+            req.aborted = True
+        self.worker.abort(request_id)
+
+    @ray.method(concurrency_group="outbox")
+    def drain(self, timeout: float) -> tuple[list[Event], dict[str, int | float]]:
+        """The events queued so far (waits up to `timeout` s for one), and the stage's stats now."""
+        if self.outbox.wake.wait(timeout):
+            self.outbox.wake.clear()
+        return self.outbox.drain(), worker_stats(self.worker)
+
+    def _open(self, spec: dict[str, Any]) -> Request:
+        req = Request(**spec, emit=lambda delta: self._event("emit", req, delta))
+        # NOTE: the driver's request counts the parts done (the thinker's and code2wav's are in two actors).
+        req.part_done = lambda: self._event("part_done", req, forget=True)
+        self.requests[req.request_id] = req
+        return req
+
+    def _event(self, kind: str, req: Request, payload: Any = None, forget: bool = False) -> None:
+        if forget:
+            self.requests.pop(req.request_id, None)
+        self.outbox.put((kind, req.request_id, payload, replace(req.usage), req.finish_reason))
+
+    def _to_next(self, chunk: Any) -> None:
+        self._event("next", chunk.request, to_cpu(replace(chunk, request=None)), forget=chunk.finished)
+
+    def _on_error(self, error: BaseException, requests: list[Request] | None = None) -> None:
+        """As the orchestrator's: those requests failed here, or (no `requests`) the stage is dead."""
+        if requests is None:
+            self.outbox.put(("dead", None, repr(error), None, None))
+        for req in requests or []:
+            self.requests.pop(req.request_id, None)
+            self.outbox.put(("fail", req.request_id, repr(error), None, None))
