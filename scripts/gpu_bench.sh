@@ -126,7 +126,7 @@ for row in "${ROWS[@]}"; do
   budget=$((end - SECONDS))
   [[ $budget -gt $(($(left) - HF_RESERVE)) ]] && budget=$(($(left) - HF_RESERVE))
   "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_ABLATION_C:-64}" \
-    --num-prompts "${BENCH_ABLATION_C:-64}" --warmup 0 --time-budget "$budget" --variant "$name" "${COMMON[@]}"
+    --num-prompts "${BENCH_ABLATION_N:-64}" --warmup 0 --time-budget "$budget" --variant "$name" "${COMMON[@]}"
   stop_server
   echo "[$((SECONDS - T0)) s] ablation '$name' done"
 done

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -79,6 +80,14 @@ def build_replica(p: Placement, name: str, replica: int = 0, to_next: Callable |
     """One stage replica on its device, its CUDA graphs captured. `to_next` takes its payloads (thinker ->
     talker -> code2wav); the thinker needs `tokenizer`, the talker the thinker's `tts_embeds`."""
     sc, dev, dt, module = p.build(name, replica)
+    # NOTE: graphs are captured on the current device's streams and pool: make it the replica's.
+    with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
+        return _stage(p, name, sc, dev, dt, module, to_next, tokenizer, tts), dev
+
+
+def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torch.dtype,
+           module: torch.nn.Module, to_next: Callable | None, tokenizer: Any, tts: torch.Tensor | None
+           ) -> ThinkerStage | TalkerStage | Code2WavStage:
     if name == "thinker":
         stage = ThinkerStage(module, p.config, tokenizer, to_next, max_batch_size=sc.max_batch_size,
                              max_num_batched_tokens=sc.max_num_batched_tokens,
@@ -96,9 +105,9 @@ def build_replica(p: Placement, name: str, replica: int = 0, to_next: Callable |
                               graph_batch_sizes=sc.graph_batch_sizes())
         if stage.runner is not None:
             stage.runner.capture()
-        return stage, dev
+        return stage
     capture(stage, sc)
-    return stage, dev
+    return stage
 
 
 def tts_embeds(p: Placement, thinker: ThinkerStage) -> torch.Tensor:
@@ -119,5 +128,5 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
             tts = tts_embeds(p, stage)
         worker = StageWorker(wname, stage, dev, on_error, p.deploy.stage(name).stream_priority)
         handles.append((name, LocalStage(worker)))
-    sys.setswitchinterval(p.deploy.switch_interval_ms / 1e3)  # NOTE: process-wide; the stages' threads share it
+    sys.setswitchinterval(p.deploy.switch_interval_ms / 1e3)  # NOTE: process-wide (the threads share it)
     return StageHandles.of(handles)
