@@ -126,7 +126,12 @@ def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav:
         stage, dev = build_replica(p, name, i, to_next, tokenizer=tokenizer, tts=tts)
         if name == "thinker" and p.config.enable_audio_output:
             tts = tts_embeds(p, stage)
-        worker = StageWorker(wname, stage, dev, on_error, p.deploy.stage(name).stream_priority)
-        handles.append((name, LocalStage(worker)))
-    sys.setswitchinterval(p.deploy.switch_interval_ms / 1e3)  # NOTE: process-wide (the threads share it)
+        handles.append((name, LocalStage(replica_worker(p, name, wname, stage, dev, on_error))))
     return StageHandles.of(handles)
+
+
+def replica_worker(p: Placement, name: str, wname: str, stage: Any, device: torch.device,
+                   on_error: Callable[..., None]) -> StageWorker:
+    """The worker thread of a stage replica (not started), in this process or in a Ray actor's."""
+    sys.setswitchinterval(p.deploy.switch_interval_ms / 1e3)  # NOTE: process-wide (the threads share it)
+    return StageWorker(wname, stage, device, on_error, p.deploy.stage(name).stream_priority)

@@ -18,9 +18,8 @@ import torch
 
 from omnistage.engine.request import Request
 from omnistage.pipeline.connector import Inbox
-from omnistage.pipeline.placement import Placement, build_replica, tts_embeds
+from omnistage.pipeline.placement import Placement, build_replica, replica_worker, tts_embeds
 from omnistage.pipeline.stage_handle import kv_capacity, worker_stats
-from omnistage.pipeline.worker import StageWorker
 
 # The Request fields the stages read: a request's plain copy in an actor is built from these.
 SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
@@ -60,7 +59,7 @@ class StageActor:
         self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
         to_next = None if name == "code2wav" else self._to_next
         self.stage, device = build_replica(p, name, replica, to_next, tokenizer=tokenizer, tts=tts)
-        self.worker = StageWorker(worker_name, self.stage, device, self._on_error)
+        self.worker = replica_worker(p, name, worker_name, self.stage, device, self._on_error)
 
     def info(self) -> dict[str, Any]:
         return {"kv_capacity": kv_capacity(self.stage), "stats": worker_stats(self.worker)}
