@@ -95,7 +95,8 @@ def test_every_payload_of_a_request_reaches_one_replica_per_stage() -> None:
     for name, replicas in stages.items():
         for i, stage in enumerate(replicas):
             add = stage.add
-            stage.add = lambda item, add=add, c=seen[name][i]: (c.update([item.request.request_id]), add(item))
+            stage.add = lambda item, add=add, c=seen[name][i]: (
+                c.update([item.request.request_id]), add(item))
     results = [ChatResult() for _ in range(n)]
     try:
         for i in range(n):

@@ -44,8 +44,8 @@ class RayStage:
                  lookup: Callable[[str], Request | None], on_stop: Callable[[], Any] | None = None) -> None:
         """`to_next`: the orchestrator's router for this stage's payloads; `lookup`: the driver's request
         in flight by id (None once it has finished or was aborted)."""
-        self.actor, self.name, self.to_next, self.on_error, self.lookup = actor, name, to_next, on_error, lookup
-        self.on_stop = on_stop
+        self.actor, self.name, self.to_next, self.on_stop = actor, name, to_next, on_stop
+        self.on_error, self.lookup = on_error, lookup
         info = ray.get(actor.info.remote())
         self.kv_capacity: int | None = info["kv_capacity"]
         self._stats: dict[str, int | float] = info["stats"]
@@ -55,7 +55,8 @@ class RayStage:
         self._pump = threading.Thread(target=self._run, name=f"omnistage-ray-{name}", daemon=True)
 
     def add(self, item: Any) -> None:
-        req, payload = (item, None) if isinstance(item, Request) else (item.request, replace(item, request=None))
+        req = item if isinstance(item, Request) else item.request
+        payload = None if item is req else replace(item, request=None)
         # NOTE: under the lock with `abort`: an add never overtakes the abort of its request.
         with self._lock:
             if req.aborted or self._dead:
@@ -127,7 +128,7 @@ class RayStage:
                 req.part_done()
             else:
                 self.to_next(replace(payload, request=req))
-        except Exception as e:  # NOTE: as a local stage's per-request faults: this request fails, not the stage
+        except Exception as e:  # NOTE: as a local stage's per-request faults: the request fails, not the stage
             logger.exception("stage %s: request %s failed", self.name, request_id)
             self.on_error(e, [req])
 
@@ -167,7 +168,8 @@ def actor_options(p: Placement, replicas: list[tuple[str, int, str]]
 
 
 def build_ray_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
-                     on_error: Callable[..., None], *, lookup: Callable[[str], Request | None]) -> StageHandles:
+                     on_error: Callable[..., None], *, lookup: Callable[[str], Request | None]
+                     ) -> StageHandles:
     """Every stage replica in a Ray actor (built and ready; pumps not started). Joins the cluster at
     RAY_ADDRESS when it is set and Ray is not initialised yet, else starts a local one."""
     if not ray.is_initialized():

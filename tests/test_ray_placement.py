@@ -1,0 +1,147 @@
+"""`placement: ray` on a local Ray cluster (CPU): every stage replica in an actor gives what the local
+placement gives; aborts free every actor's stage; a killed actor fails the engine as a dead stage thread does.
+
+One Ray engine (5 actors: thinker, 2 talkers, 2 code2wavs) serves the whole file; the kill test is last."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.entrypoints.omni import ChatResult, Omni
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline.faults import EngineDeadError
+
+from graph_helpers import settle
+from test_engine import conv, greedy
+
+ray = pytest.importorskip("ray")
+
+KV = 16 << 20  # small KV caches: quick to allocate in five processes
+VOICES = ["Ethan", "Aiden", "Chelsie"]
+
+
+def deploy(d):
+    stages = {"thinker": {"kv_cache_memory": KV}, "talker": {"replicas": 2, "kv_cache_memory": KV},
+              "code2wav": {"replicas": 2}}
+    return load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"stages": stages})
+
+
+@pytest.fixture(scope="module")
+def engines():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
+             log_to_driver=False)
+    d = tiny_checkpoint("tiny")
+    remote = local = None
+    try:
+        remote = Omni(d, deploy=deploy(d), device="cpu", placement="ray")
+        local = Omni(d, deploy=deploy(d), device="cpu")
+        yield remote, local
+    finally:
+        for o in (remote, local):
+            if o is not None:
+                o.engine.shutdown()
+        ray.shutdown()
+
+
+def start(o: Omni, ids: list[str], tokens: int, frames: int) -> list[ChatResult]:
+    """Greedy requests (every fourth one text only), added to the engine; their streams fill the results."""
+    results = [ChatResult() for _ in ids]
+    for i, (rid, r) in enumerate(zip(ids, results)):
+        o.engine.add_request(o.engine.make_request(rid, conv(i), None, want_audio=i % 4 != 3,
+                                                   voice=VOICES[i % 3], emit=r.add, **greedy(tokens, frames)))
+    return results
+
+
+def run(o: Omni, ids: list[str], tokens: int, frames: int) -> list[ChatResult]:
+    """`start`, then until every stream finished (polled: a broken engine fails the test, never hangs it)."""
+    results = start(o, ids, tokens, frames)
+    settle(lambda: assert_all(r.finish_reason is not None for r in results), 60)
+    return results
+
+
+def test_same_tokens_codes_and_audio_as_the_local_placement(engines) -> None:
+    remote, local = engines
+    assert {"talker0", "talker1", "code2wav0", "code2wav1"} <= set(remote.engine.stats())
+    before = remote.engine.stats()
+    ids = [f"same{i}" for i in range(8)]
+    a, b = run(remote, ids, 8, 15), run(local, ids, 8, 15)
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert x.token_ids == y.token_ids and len(x.token_ids) == 8 and x.text == y.text
+        assert (x.finish_reason, x.usage) == (y.finish_reason, y.usage) == ("length", y.usage)
+        assert x.usage.completion_tokens == 8 and x.usage.prompt_tokens > 0
+        if i % 4 == 3:
+            assert x.audio is None and x.usage.audio_frames == 0
+            continue
+        assert x.codes.shape == (16, 15) and np.array_equal(x.codes, y.codes) and x.usage.audio_frames == 15
+        np.testing.assert_allclose(x.audio, y.audio, atol=1e-6)
+    settle(lambda: check_rows(remote, before), 10)
+
+
+def check_rows(o: Omni, before: dict) -> None:
+    """Each talker and code2wav actor did part of the work (routing crossed actors)."""
+    after = o.engine.stats()
+    rows = {name: after[name]["step_rows"] - before[name]["step_rows"] for name in after}
+    assert sum(rows[f"talker{i}"] for i in (0, 1)) == 6 * 15  # one row per frame of the 6 audio requests
+    assert all(rows[name] > 0 for name in ("talker0", "talker1", "code2wav0", "code2wav1")), rows
+
+
+def assert_all(flags) -> None:
+    assert all(flags)
+
+
+def held_by_every_stage(o: Omni, n: int) -> None:
+    stats = o.engine.stats()
+    for stage in ("talker", "code2wav"):
+        assert sum(stats[f"{stage}{i}"]["active"] for i in (0, 1)) == n, stats
+
+
+def all_free(o: Omni) -> None:
+    stats = o.engine.stats()
+    for name, s in stats.items():
+        assert s["active"] == 0 and s["queue_depth"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
+    assert o.engine.talker_router.load == [0, 0] and o.engine.code2wav_router.load == [0, 0]
+    assert not o.engine.requests
+
+
+def test_abort_mid_stream_frees_every_actor(engines) -> None:
+    remote, local = engines
+    frames = remote.engine.stages.talkers[0].kv_capacity // 2 - 64  # two fit a talker; never reached here
+    before = remote.engine.stats()
+    ids = [f"abort{i}" for i in range(3)]  # all with audio; talker0 gets two
+    results = start(remote, ids, 30, frames)
+    settle(lambda: assert_all(r.audio is not None for r in results), 30)
+    settle(lambda: held_by_every_stage(remote, 3), 10)
+    for rid in ids:
+        assert remote.engine.abort(rid)
+    settle(lambda: all_free(remote), 30)
+    after = remote.engine.stats()
+    talker_rows = sum(after[f"talker{i}"]["step_rows"] - before[f"talker{i}"]["step_rows"] for i in (0, 1))
+    assert talker_rows < 3 * frames // 2  # the talkers stopped at the abort, not at max_frames
+    assert all(r.finish_reason is None for r in results)  # an aborted stream gets no finish
+    (again,), (alone,) = run(remote, ["again"], 6, 12), run(local, ["again"], 6, 12)
+    assert again.token_ids == alone.token_ids and np.array_equal(again.codes, alone.codes)
+
+
+def test_a_killed_actor_fails_the_engine(engines) -> None:
+    remote, _ = engines
+    engine = remote.engine
+    ids = [f"kill{i}" for i in range(3)]
+    results = start(remote, ids, 30, engine.stages.talkers[0].kv_capacity // 2 - 64)
+    settle(lambda: assert_all(r.audio is not None for r in results), 30)
+    ray.kill(engine.stages.talkers[0].actor)
+    raised: list[BaseException] = []
+    waiter = threading.Thread(target=lambda: raised.append(
+        pytest.raises(EngineDeadError, engine.wait, ids).value))
+    waiter.start()
+    waiter.join(timeout=30)
+    assert not waiter.is_alive(), "wait() hung after an actor died"
+    assert raised and "talker0" in str(raised[0])
+    # NOTE: `wait` returns once the error is set; the requests fail right after, in the pump's thread
+    settle(lambda: assert_all(r.finish_reason == "error" for r in results), 10)  # on talker1 too
+    assert isinstance(engine.error, EngineDeadError) and not engine.requests
+    with pytest.raises(EngineDeadError):
+        remote.chat(conv(0), **greedy(2, 2))
