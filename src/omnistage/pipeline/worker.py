@@ -7,10 +7,12 @@ aborts through `controls`, both thread-safe; a stage never waits on another.
 from __future__ import annotations
 
 import contextlib
+import cProfile
 import logging
+import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -54,9 +56,26 @@ class StageWorker:
         torch.cuda.set_device(self.device)
         return torch.cuda.stream(torch.cuda.Stream(self.device, priority=self.priority))
 
+    def _profiled(self) -> contextlib.AbstractContextManager:
+        """With OMNISTAGE_PROFILE_DIR set, cProfile this worker's thread into DIR/<name>.prof at stop."""
+        out = os.environ.get("OMNISTAGE_PROFILE_DIR")
+        if not out:
+            return contextlib.nullcontext()
+        prof = cProfile.Profile()
+
+        @contextlib.contextmanager
+        def run() -> Iterator[None]:
+            prof.enable()
+            try:
+                yield
+            finally:
+                prof.disable()
+                prof.dump_stats(os.path.join(out, f"{self.name}.prof"))
+        return run()
+
     def _run(self) -> None:
         try:
-            with self._stream():
+            with self._stream(), self._profiled():
                 while not self._stop:
                     self.wake.clear()
                     for request_id in self.controls.drain():
