@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Where the host time of a loaded server goes: `omnistage serve` with every stage worker thread under cProfile
-# (OMNISTAGE_PROFILE_DIR) and the main thread (the HTTP event loop) under `python -m cProfile`, one bench row
-# against it, then the top functions per thread into $OUT/profile.txt.
+# Where the host time of a loaded server goes: `omnistage serve` with its stage worker threads under cProfile
+# (OMNISTAGE_PROFILE_DIR; on Python >= 3.12 the first worker's profile covers every thread, the HTTP loop
+# included), one bench row against it, then the top functions into $OUT/profile.txt.
 # Device call: carry [".whl"], command:  bash scripts/gpu_profile_server.sh   (knobs: PROFILE_C, PROFILE_S)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,13 +11,15 @@ mkdir -p "$OUT/prof"
 . scripts/device_env.sh
 MODEL=/tmp/omnistage-bench-model
 "$PY" scripts/bench_model_dir.py "$MODEL" > /dev/null || exit 1
-OMNISTAGE_PROFILE_DIR=$OUT/prof "$PY" -m cProfile -o "$OUT/prof/main.prof" -m omnistage.cli serve "$MODEL" \
+OMNISTAGE_PROFILE_DIR=$OUT/prof "$PY" -m omnistage.cli serve "$MODEL" \
   --host 127.0.0.1 --port 8091 --load-format dummy > "$OUT/server.log" 2>&1 &
 SERVER=$!
 for ((i = 0; i < 240; i++)); do
   "$PY" -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8091/health').status_code != 200)" 2>/dev/null && break
   sleep 1
 done
+"$PY" -c "import httpx,sys; sys.exit(httpx.get('http://127.0.0.1:8091/health').status_code != 200)" 2>/dev/null \
+  || { tail -30 "$OUT/server.log"; kill $SERVER; exit 1; }
 echo "[$SECONDS s] server up"
 "$PY" -m omnistage.cli bench --base-url http://127.0.0.1:8091 --prompt-tokens 160 --concurrency "${PROFILE_C:-64}" \
   --num-prompts "${PROFILE_C:-64}" --warmup 0 --time-budget "${PROFILE_S:-45}" --workload read-aloud --random-weights \

@@ -57,7 +57,9 @@ class StageWorker:
         return torch.cuda.stream(torch.cuda.Stream(self.device, priority=self.priority))
 
     def _profiled(self) -> contextlib.AbstractContextManager:
-        """With OMNISTAGE_PROFILE_DIR set, cProfile this worker's thread into DIR/<name>.prof at stop."""
+        """With OMNISTAGE_PROFILE_DIR set, cProfile this worker's thread into DIR/<name>.prof at stop.
+        NOTE: from Python 3.12 a profiler sees every thread and only one may run: the first worker's
+        file then holds all threads, the others profile nothing."""
         out = os.environ.get("OMNISTAGE_PROFILE_DIR")
         if not out:
             return contextlib.nullcontext()
@@ -65,7 +67,11 @@ class StageWorker:
 
         @contextlib.contextmanager
         def run() -> Iterator[None]:
-            prof.enable()
+            try:
+                prof.enable()
+            except ValueError:  # another profiler is active (Python >= 3.12)
+                yield
+                return
             try:
                 yield
             finally:
