@@ -135,7 +135,7 @@ def test_a_killed_actor_fails_the_engine(engines) -> None:
     ray.kill(engine.stages.talkers[0].actor)
     raised: list[BaseException] = []
     waiter = threading.Thread(target=lambda: raised.append(
-        pytest.raises(EngineDeadError, engine.wait, ids).value))
+        pytest.raises(EngineDeadError, engine.wait, ids).value), daemon=True)
     waiter.start()
     waiter.join(timeout=30)
     assert not waiter.is_alive(), "wait() hung after an actor died"
