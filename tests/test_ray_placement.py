@@ -5,6 +5,7 @@ One Ray engine (5 actors: thinker, 2 talkers, 2 code2wavs) serves the whole file
 
 from __future__ import annotations
 
+import argparse
 import threading
 
 import numpy as np
@@ -13,12 +14,16 @@ import pytest
 from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.models.qwen3_omni.model import load_config
 from omnistage.pipeline.faults import EngineDeadError
+from omnistage.pipeline.placement import Placement, replica_names
+from omnistage.server.launch import LaunchError, add_serve_args, deploy_config, deploy_overrides
 
 from graph_helpers import settle
 from test_engine import conv, greedy
 
 ray = pytest.importorskip("ray")
+from omnistage.pipeline.ray_placement import gpu_shares  # noqa: E402  (needs ray)
 
 KV = 16 << 20  # small KV caches: quick to allocate in five processes
 VOICES = ["Ethan", "Aiden", "Chelsie"]
@@ -124,6 +129,28 @@ def test_abort_mid_stream_frees_every_actor(engines) -> None:
     assert all(r.finish_reason is None for r in results)  # an aborted stream gets no finish
     (again,), (alone,) = run(remote, ["again"], 6, 12), run(local, ["again"], 6, 12)
     assert again.token_ids == alone.token_ids and np.array_equal(again.codes, alone.codes)
+
+
+def test_placement_flag_and_deploy_key(tiny_dir) -> None:
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(["--placement", "ray"])
+    assert deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args)).placement == "ray"
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(["--deploy-overrides", '{"placement": "ray"}'])
+    assert deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args)).placement == "ray"
+    assert deploy_config(tiny_dir, None, None, "cpu").placement == "local"
+    with pytest.raises(LaunchError, match="placement: must be one of local, ray"):
+        deploy_config(tiny_dir, None, None, "cpu", {"placement": "mpi"})
+
+
+def test_gpu_shares_follow_the_deploy_devices(tiny_dir) -> None:
+    """Replicas on one deploy device index share one GPU bundle evenly; one bundle per index used."""
+    stages = {"talker": {"replicas": 2, "devices": [0, 1]}, "code2wav": {"replicas": 3, "devices": [1, 2, 1]}}
+    cfg = load_deploy_config(default_deploy_config(tiny_dir), platform="cuda", overrides={"stages": stages})
+    p = Placement(load_config(tiny_dir), cfg, tiny_dir)
+    assert [(n, i) for n, i, _ in replica_names(p)] == [("thinker", 0), ("talker", 0), ("talker", 1),
+                                                         ("code2wav", 0), ("code2wav", 1), ("code2wav", 2)]
+    # device 0: thinker, talker0 (1/2 each); device 1: talker1, code2wav0, code2wav2 (1/3 each); device 2
+    assert gpu_shares(p, replica_names(p)) == [(0, 0.5), (0, 0.5), (1, 0.3333), (1, 0.3333), (2, 1.0),
+                                               (1, 0.3333)]
 
 
 def test_a_killed_actor_fails_the_engine(engines) -> None:

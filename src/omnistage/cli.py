@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable
 
 from omnistage.bench.cli import add_bench_args
+from omnistage.config import PLACEMENTS
 from omnistage.server.launch import add_serve_args, serve
 
 
@@ -22,7 +23,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     from omnistage.entrypoints.omni import Omni
 
-    omni = Omni(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype)
+    omni = Omni(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
+                placement=args.placement)
     modalities = ["text"] if args.text_only else ["text", "audio"]
     out = omni.chat([{"role": "user", "content": args.prompt}], modalities=modalities, voice=args.voice,
                     sampling={"temperature": args.temperature, "max_tokens": args.max_tokens},
@@ -62,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
     g.add_argument("--device", default=None)
     g.add_argument("--dtype", default=None)
+    g.add_argument("--placement", choices=PLACEMENTS, default=None, help="as for serve")
     g.set_defaults(func=_generate)
     s = add_serve_args(sub.add_parser("serve", help="the OpenAI-compatible HTTP server (chat, speech)"))
     s.set_defaults(func=serve)

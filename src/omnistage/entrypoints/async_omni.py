@@ -47,6 +47,8 @@ class Admission:
 
 class AsyncOmni:
     def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
+        """As `Omni`: `engine_kwargs` go to `Orchestrator` (placement "ray": each stage replica in a Ray
+        actor)."""
         if model is None:
             from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 

@@ -44,7 +44,8 @@ def _per_request(value: Any, n: int, name: str) -> list[Any]:
 class Omni:
     def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
         """`model`: a checkpoint directory (default: the built-in tiny random-weight checkpoint).
-        `engine_kwargs` go to `Orchestrator` (deploy, load_format, device, dtype, seed)."""
+        `engine_kwargs` go to `Orchestrator` (deploy, load_format, device, dtype, seed, media_policy,
+        placement: "local" or "ray")."""
         if model is None:
             from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omnistage.config import ConfigError, DeployConfig, default_deploy_config, load_deploy_config
+from omnistage.config import PLACEMENTS, ConfigError, DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.platform import detect_platform
 from omnistage.server.media_args import add_media_args
 from omnistage.utils import deep_merge
@@ -93,6 +93,13 @@ def json_object(text: str | None, flag: str) -> dict:
     return value
 
 
+def deploy_overrides(args: argparse.Namespace) -> dict:
+    """Top-level deploy keys from the flags: --deploy-overrides, then the flags named after keys over it."""
+    flags = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens", "placement")
+             if getattr(args, k) is not None}
+    return deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), flags)
+
+
 def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     """The app and its running engine, from `omnistage serve` arguments."""
     from omnistage.entrypoints.async_omni import AsyncOmni
@@ -102,10 +109,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
 
     policy = media_policy(args)
     source = resolve_model(args.model, args.served_model_name, args.load_format)
-    overrides = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens")
-                 if getattr(args, k) is not None}
-    overrides = deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), overrides)
-    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device, overrides)
+    deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device,
+                           deploy_overrides(args))
     logger.info("serving %s from %s", source.name, source.path)
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
@@ -151,6 +156,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="one torch device for every stage (default: each stage's deploy `devices`)")
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
+    p.add_argument("--placement", choices=PLACEMENTS, default=None,
+                   help="local: every stage replica in this process; ray: each in a Ray actor, GPUs from the "
+                        "deploy `devices`, on the cluster at RAY_ADDRESS or a new local one (default: the "
+                        "deploy config's placement)")
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $OMNISTAGE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")
