@@ -131,10 +131,32 @@ def test_abort_mid_stream_frees_every_actor(engines) -> None:
     assert again.token_ids == alone.token_ids and np.array_equal(again.codes, alone.codes)
 
 
+def test_a_request_that_fails_in_an_actor_fails_alone(engines) -> None:
+    remote, local = engines
+    before = remote.engine.stats()
+    bad = ChatResult()
+    # NOTE: prompt ids with no assistant turn: the thinker runs it, the talker cannot build its prompt
+    remote.engine.add_request(remote.engine.make_request(
+        "bad", None, [1, 2, 3], want_audio=True, voice="Ethan", emit=bad.add, **greedy(4, 6)))
+    good, alone = run(remote, ["good0", "good1"], 6, 10), run(local, ["good0", "good1"], 6, 10)
+    settle(lambda: assert_all([bad.finish_reason == "error"]), 30)
+    assert remote.engine.error is None
+    for x, y in zip(good, alone):
+        assert x.token_ids == y.token_ids and np.array_equal(x.codes, y.codes) and x.finish_reason == "length"
+    settle(lambda: assert_all([failed(remote, before) in ({"talker0": 1}, {"talker1": 1})]), 10)
+    settle(lambda: all_free(remote), 10)
+
+
+def failed(o: Omni, before: dict) -> dict[str, int]:
+    """Requests failed per stage since `before`, where any."""
+    after = o.engine.stats()
+    return {s: n for s in after if (n := after[s]["failed"] - before[s]["failed"])}
+
+
 def test_placement_flag_and_deploy_key(tiny_dir) -> None:
     args = add_serve_args(argparse.ArgumentParser()).parse_args(["--placement", "ray"])
     assert deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args)).placement == "ray"
-    args = add_serve_args(argparse.ArgumentParser()).parse_args(["--deploy-overrides", '{"placement": "ray"}'])
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(["--deploy-overrides", '{"placement":"ray"}'])
     assert deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args)).placement == "ray"
     assert deploy_config(tiny_dir, None, None, "cpu").placement == "local"
     with pytest.raises(LaunchError, match="placement: must be one of local, ray"):
