@@ -159,8 +159,14 @@ def actor_options(p: Placement, replicas: list[tuple[str, int, str]]
     if device.type != "cuda":
         return p, [{"num_cpus": 0}] * len(replicas), None
     shares = gpu_shares(p, replicas)
-    pg = placement_group([{"GPU": 1}] * (max(b for b, _ in shares) + 1), strategy="PACK")
-    ray.get(pg.ready(), timeout=GPU_WAIT_S)
+    gpus = max(b for b, _ in shares) + 1
+    pg = placement_group([{"GPU": 1}] * gpus, strategy="PACK")
+    try:
+        ray.get(pg.ready(), timeout=GPU_WAIT_S)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(pg)
+        raise RuntimeError(f"the Ray cluster did not free {gpus} GPU(s) (one per deploy device index) in "
+                           f"{GPU_WAIT_S} s") from None
     options = [{"num_cpus": 0, "num_gpus": share, "scheduling_strategy": PlacementGroupSchedulingStrategy(
         pg, placement_group_bundle_index=bundle)} for bundle, share in shares]
     # NOTE: Ray shows each actor only its GPU (CUDA_VISIBLE_DEVICES), as device 0.
