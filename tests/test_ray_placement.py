@@ -23,7 +23,7 @@ from graph_helpers import settle
 from test_engine import conv, greedy
 
 ray = pytest.importorskip("ray")
-from omnistage.pipeline.ray_placement import gpu_shares  # noqa: E402  (needs ray)
+from omnistage.pipeline.ray_placement import actor_options, gpu_shares  # noqa: E402  (needs ray)
 
 KV = 16 << 20  # small KV caches: quick to allocate in five processes
 VOICES = ["Ethan", "Aiden", "Chelsie"]
@@ -37,7 +37,7 @@ def deploy(d):
 
 @pytest.fixture(scope="module")
 def engines():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=128 << 20,
+    ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, object_store_memory=128 << 20,
              log_to_driver=False)
     d = tiny_checkpoint("tiny")
     remote = local = None
@@ -163,16 +163,28 @@ def test_placement_flag_and_deploy_key(tiny_dir) -> None:
         deploy_config(tiny_dir, None, None, "cpu", {"placement": "mpi"})
 
 
-def test_gpu_shares_follow_the_deploy_devices(tiny_dir) -> None:
-    """Replicas on one deploy device index share one GPU bundle evenly; one bundle per index used."""
+def test_gpus_follow_the_deploy_devices(engines, tiny_dir) -> None:
+    """One GPU bundle per deploy device index; the replicas on one index share its GPU evenly. (The test
+    cluster declares GPUs it does not have: only the placement group is made, no actor.)"""
     stages = {"talker": {"replicas": 2, "devices": [0, 1]}, "code2wav": {"replicas": 3, "devices": [1, 2, 1]}}
     cfg = load_deploy_config(default_deploy_config(tiny_dir), platform="cuda", overrides={"stages": stages})
-    p = Placement(load_config(tiny_dir), cfg, tiny_dir)
-    assert [(n, i) for n, i, _ in replica_names(p)] == [("thinker", 0), ("talker", 0), ("talker", 1),
-                                                         ("code2wav", 0), ("code2wav", 1), ("code2wav", 2)]
+    p = Placement(load_config(tiny_dir), cfg, tiny_dir, device="cuda")
+    replicas = replica_names(p)
+    assert [(n, i) for n, i, _ in replicas] == [("thinker", 0), ("talker", 0), ("talker", 1),
+                                                ("code2wav", 0), ("code2wav", 1), ("code2wav", 2)]
     # device 0: thinker, talker0 (1/2 each); device 1: talker1, code2wav0, code2wav2 (1/3 each); device 2
-    assert gpu_shares(p, replica_names(p)) == [(0, 0.5), (0, 0.5), (1, 0.3333), (1, 0.3333), (2, 1.0),
-                                               (1, 0.3333)]
+    assert gpu_shares(p, replicas) == [(0, 0.5), (0, 0.5), (1, 0.3333), (1, 0.3333), (2, 1.0), (1, 0.3333)]
+    actor_p, options, free_gpus = actor_options(p, replicas)
+    try:
+        assert actor_p.device == "cuda:0" and p.device == "cuda"
+        assert [o["num_gpus"] for o in options] == [s for _, s in gpu_shares(p, replicas)]
+        strategies = [o["scheduling_strategy"] for o in options]
+        assert [s.placement_group_bundle_index for s in strategies] == [0, 0, 1, 1, 2, 1]
+        assert strategies[0].placement_group.bundle_specs == [{"GPU": 1}] * 3
+    finally:
+        free_gpus()
+    assert actor_options(Placement(p.config, cfg, tiny_dir, device="cpu"), replicas)[1:] == (
+        [{"num_cpus": 0}] * 6, None)
 
 
 def test_a_killed_actor_fails_the_engine(engines) -> None:
