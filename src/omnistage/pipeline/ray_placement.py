@@ -43,12 +43,13 @@ class RayStage:
     def __init__(self, actor: Any, name: str, to_next: Callable | None, on_error: Callable[..., None],
                  lookup: Callable[[str], Request | None], on_stop: Callable[[], Any] | None = None) -> None:
         """`to_next`: the orchestrator's router for this stage's payloads; `lookup`: the driver's request
-        in flight by id (None once it has finished or was aborted)."""
+        in flight by id (None once it has finished or was aborted); `on_stop`: after the actor is gone."""
         self.actor, self.name, self.to_next, self.on_stop = actor, name, to_next, on_stop
         self.on_error, self.lookup = on_error, lookup
         info = ray.get(actor.info.remote())
         self.kv_capacity: int | None = info["kv_capacity"]
         self._stats: dict[str, int | float] = info["stats"]
+        # the requests the actor was sent a plain copy of (weak: an entry goes with its request)
         self._opened: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()
         self._lock = threading.Lock()
         self._dead = self._stopping = False
