@@ -19,7 +19,8 @@ class TalkerSeq:
     texts: deque[torch.Tensor] = field(default_factory=deque)  # thinker embeds of g_1, g_2, ... not yet used
     num_texts: int = 1  # thinker tokens received (g_0 is in the prompt)
     thinker_done: bool = False
-    frames: int = 0
+    frames: int = 0  # frames launched (with asynchronous output, one step ahead of those delivered)
+    emitted: int = 0  # frames delivered to code2wav
     num_computed: int = 0
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
     mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
@@ -34,3 +35,29 @@ class TalkerSeq:
         if not self.thinker_done:
             return None
         return None, t == max(self.num_texts - 2, 0)
+
+
+@dataclass
+class Launched:
+    """A launched talker step: per run its (seqs and input rows, frames [B, G] on the device), and
+    codebook 0 of every row on its way to the host (`ready` records when it is there; None: already)."""
+
+    runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]
+    c0: torch.Tensor
+    ready: torch.cuda.Event | None
+
+    @classmethod
+    def of(cls, runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]) -> Launched:
+        c0 = torch.cat([frames[:, 0] for _, frames in runs])
+        if not c0.is_cuda:
+            return cls(runs, c0, None)
+        host = c0.to("cpu", non_blocking=True)  # NOTE: pinned (non_blocking device-to-host), so truly async
+        ready = torch.cuda.Event()
+        ready.record()
+        return cls(runs, host, ready)
+
+    def codes0(self) -> list[int]:
+        """Codebook 0 of every row in run order (waits for the step on the device: the one host sync)."""
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.c0.tolist()

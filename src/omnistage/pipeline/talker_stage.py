@@ -26,14 +26,14 @@ from omnistage.models.qwen3_omni.talker_prompt import (
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
-from omnistage.pipeline.talker_seq import TalkerSeq
+from omnistage.pipeline.talker_seq import Launched, TalkerSeq
 
 
 class TalkerStage:
     def __init__(self, talker: torch.nn.Module, config: Any, to_code2wav: Callable[[FrameChunk], None],
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = ()) -> None:
+                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
         """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere), prefills as an eager forward plus its head graph; one KV block is then reserved for
@@ -56,6 +56,7 @@ class TalkerStage:
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
         self.last_batch = 0
+        self.async_output, self.pending = async_output, None  # see `step`
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
@@ -114,7 +115,8 @@ class TalkerStage:
             self.waiting.popleft()
         batch, decodes = [], []
         for seq in self.seqs.values():
-            if seq in self.waiting or len(batch) + len(decodes) >= self.max_batch_size:
+            if (seq in self.waiting or len(batch) + len(decodes) >= self.max_batch_size
+                    or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
                 continue
             if seq.num_computed == 0:
                 batch.append((seq, seq.prompt_rows))
@@ -129,21 +131,41 @@ class TalkerStage:
 
     @torch.no_grad()
     def step(self) -> bool:
+        """Launch this step; complete it at once, or (asynchronous output) complete the previous step while
+        this one runs on the device: its frames reach code2wav and end requests one step later, and a
+        request ended by codec_eos has one extra frame computed and dropped."""
         batch = self._schedule()
         self.last_batch = len(batch)
-        if not batch:
-            return False
+        launched = self._launch(batch) if batch else None
+        if self.async_output:
+            launched, self.pending = self.pending, launched
+        if launched is not None:
+            self._complete(launched)
+        return bool(batch) or launched is not None
+
+    def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched:
         # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
         groups = ([[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]
                   if self.runner else [batch])
-        runs = [(g, fb, self._run(fb)) for g in groups if g for fb in [self._frame_batch(g)]]
-        c0 = iter(torch.cat([frames[:, 0] for _, _, (frames, _) in runs]).tolist())  # the step's one host sync
-        for group, fb, (frames, codec_embeds) in runs:
+        runs = []
+        for group in filter(None, groups):
+            fb = self._frame_batch(group)
+            frames, codec_embeds = self._run(fb)
             for i, (seq, _) in enumerate(group):
                 seq.seen.copy_(fb.seen[i])
                 seq.num_computed += fb.lens[i]
-                self.faults.run(seq.req, self._advance, seq, frames[i], codec_embeds[i], next(c0))
-        return True
+                seq.frames += 1
+                seq.codec_embed = codec_embeds[i]
+            runs.append((group, frames))
+        return Launched.of(runs)
+
+    def _complete(self, launched: Launched) -> None:
+        c0 = iter(launched.codes0())
+        for group, frames in launched.runs:
+            for i, (seq, _) in enumerate(group):
+                code = next(c0)
+                if self.seqs.get(seq.req.request_id) is seq:  # not ended (or aborted) since its launch
+                    self.faults.run(seq.req, self._advance, seq, frames[i], code)
 
     def _frame_batch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> FrameBatch:
         seqs = [s for s, _ in batch]
@@ -175,18 +197,15 @@ class TalkerStage:
         with forward_context(ctx):
             return self.talker(fb.inputs, positions).index_select(0, last)
 
-    def _advance(self, seq: TalkerSeq, frame: torch.Tensor, codec_embed: torch.Tensor, c0: int) -> None:
-        tp = seq.req.talker_sampling
+    def _advance(self, seq: TalkerSeq, frame: torch.Tensor, c0: int) -> None:
         if c0 == self.talker.codec_eos:
             return self._finish(seq)
-        seq.frames += 1
-        seq.codec_embed = codec_embed
+        seq.emitted += 1
         self.to_code2wav(FrameChunk(seq.req, frame))
-        if seq.frames >= tp.max_frames:
+        if seq.emitted >= seq.req.talker_sampling.max_frames:
             self._finish(seq)
 
     def _finish(self, seq: TalkerSeq) -> None:
-        seq.req.usage.audio_frames = seq.frames
+        seq.req.usage.audio_frames = seq.emitted
         self.abort(seq.req.request_id)
         self.to_code2wav(FrameChunk(seq.req, finished=True))
-
