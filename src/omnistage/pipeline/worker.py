@@ -32,7 +32,7 @@ class StageWorker:
         self.priority = priority
         self._unblamed = 0  # consecutive failed steps with no request to blame
         self.failed_requests = 0  # requests this stage failed (for the metrics)
-        self.steps, self.busy_seconds, self.step_rows = 0, 0.0, 0  # busy steps, their wall time and batch rows
+        self.steps, self.busy_seconds, self.step_rows = 0, 0.0, 0  # steps that ran rows, busy wall time, rows
         self.wake = threading.Event()
         self.stage.inbox.wake = self.wake
         self.controls: Inbox[str] = Inbox(self.wake)
@@ -103,8 +103,9 @@ class StageWorker:
         try:
             busy = self.stage.step()
             self._unblamed = 0
-            if busy:
-                self.steps, self.step_rows = self.steps + 1, self.step_rows + self.stage.last_batch
+            if busy:  # NOTE: a step that only completes earlier work (async output, ends) runs no rows
+                ran = self.stage.last_batch > 0
+                self.steps, self.step_rows = self.steps + ran, self.step_rows + self.stage.last_batch
                 self.busy_seconds += time.perf_counter() - start
         except Exception as e:
             blamed = list(self.stage.step_requests)
