@@ -122,9 +122,11 @@ class ServerMetrics:
         self.active = Gauge(f"{p}_stage_requests_active", "Requests the stage holds.", ("stage",))
         self.failed = Counter(f"{p}_stage_requests_failed_total", "Requests failed by a fault in the stage.",
                               ("stage",))
-        self.steps = Counter(f"{p}_stage_steps_total", "Steps that ran rows (a batch of requests).", ("stage",))
+        self.steps = Counter(f"{p}_stage_steps_total", "Steps that ran rows (a batch of requests).",
+                             ("stage",))
         self.busy = Counter(f"{p}_stage_busy_seconds_total",
-                            "Wall time of the steps that did work (ran rows or completed earlier ones).", ("stage",))
+                            "Wall time of the steps that did work (ran rows or completed earlier ones).",
+                            ("stage",))
         self.step_rows = Counter(f"{p}_stage_step_rows_total", "Requests in those steps, summed.", ("stage",))
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
