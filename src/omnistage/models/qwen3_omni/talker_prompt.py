@@ -134,11 +134,13 @@ def next_text_row(talker: nn.Module, thinker_embed: torch.Tensor | None, final: 
 def text_rows(talker: nn.Module, thinker_embeds: list[torch.Tensor | None], finals: list[bool]) -> torch.Tensor:
     """`next_text_row` for many requests at once [N, H], with one projection for all their tokens."""
     bos_eos_pad = talker.tts_embeds
-    rows = bos_eos_pad[2].expand(len(finals), -1).clone()
-    eos = [i for i, f in enumerate(finals) if f]
-    if eos:
-        rows[eos] = bos_eos_pad[1]
+    dev = bos_eos_pad.device
+    # NOTE: indices reach the device without a blocking copy (a blocking one waits for the whole stream,
+    # which would stall the talker's asynchronous output behind the step in flight).
+    eos = torch.tensor(finals).to(dev, non_blocking=True)
+    rows = torch.where(eos[:, None], bos_eos_pad[1], bos_eos_pad[2])
     text = [i for i, (e, f) in enumerate(zip(thinker_embeds, finals)) if e is not None and not f]
     if text:
-        rows[text] = talker.text_projection(torch.stack([thinker_embeds[i] for i in text])).to(rows.dtype)
+        projected = talker.text_projection(torch.stack([thinker_embeds[i] for i in text])).to(rows.dtype)
+        rows = rows.index_copy(0, torch.tensor(text).to(dev, non_blocking=True), projected)
     return rows
