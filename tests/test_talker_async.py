@@ -24,7 +24,9 @@ PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two
 @functools.cache
 def omni(async_output: bool, graph: bool) -> Omni:
     d = tiny_checkpoint("tiny")
-    cfg = load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"async_output": async_output})
+    small = {"kv_cache_memory": 1 << 25}  # 32 MiB: this module holds four engines
+    cfg = load_deploy_config(default_deploy_config(d), platform="cpu", overrides={
+        "async_output": async_output, "stages": {"thinker": small, "talker": small}})
     # NOTE: cuda_graph set past validation means "runner on, graphs captured only on CUDA" (as test_talker_graph)
     talker = replace(cfg.stages.talker, cuda_graph=graph, cuda_graph_batch_sizes=(1, 2, 4, 8))
     o = Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker)), device="cpu")
