@@ -81,6 +81,12 @@ def token_slots(block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Te
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
+def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """Host values as a tensor on `device`, without waiting for the device's stream.
+    NOTE: a blocking host-to-device copy waits for everything queued on the stream (a step in flight)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+
 def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
                   block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
     """Context for sequences that already hold `num_computed[i]` tokens in the cache and append `num_new[i]`."""
@@ -89,14 +95,13 @@ def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tab
         if math.ceil(end / block_size) > len(table):
             raise ValueError(f"sequence of {end} tokens needs more than {len(table)} blocks of {block_size}")
     width = max(len(t) for t in block_tables)
-    tables = torch.tensor([list(t) + [0] * (width - len(t)) for t in block_tables], dtype=torch.int32,
-                          device=device)
-    context_lens = torch.tensor(kv_lens, dtype=torch.int32, device=device)
-    new_lens = torch.tensor(num_new, dtype=torch.int32, device=device)
+    tables = to_device([list(t) + [0] * (width - len(t)) for t in block_tables], torch.int32, device)
+    context_lens = to_device(kv_lens, torch.int32, device)
+    new_lens = to_device(num_new, torch.int32, device)
     is_prefill = any(n != 1 for n in num_new)
 
     def cumsum(xs: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([0, *xs], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)
+        return to_device([0, *xs], torch.int32, device).cumsum(0, dtype=torch.int32)
 
     return ForwardContext(
         is_prefill=is_prefill,

@@ -13,7 +13,7 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
 from omnistage.layers.attention import allocate_kv_cache
-from omnistage.layers.context import build_context, forward_context
+from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.rope_index import flat_positions
 from omnistage.models.qwen3_omni.talker_prompt import (
@@ -192,7 +192,7 @@ class TalkerStage:
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden."""
         positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
-        last = torch.tensor(fb.lens, device=self.device).cumsum(0) - 1
+        last = to_device(fb.lens, torch.long, self.device).cumsum(0) - 1
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
             return self.talker(fb.inputs, positions).index_select(0, last)
