@@ -34,7 +34,7 @@ def test_packaged_config_loads_for_every_platform():
     assert cuda.connector.initial_codec_chunk_frames == 4 and cuda.connector.codec_chunk_frames == 25
     cpu = load_deploy_config(DEFAULT_YAML, "cpu")
     assert [cpu.stage(s).cuda_graph for s in ("thinker", "talker", "code2wav")] == [False] * 3
-    assert cpu.stages.thinker.dtype == "float32" and cpu.stages.thinker.kv_cache_memory == 268435456
+    assert cpu.stages.thinker.dtype == "float32" and cpu.stages.thinker.kv_cache_memory == 67108864
     assert cpu.stages.thinker.max_batch_size == cuda.stages.thinker.max_batch_size == 64
     rocm = load_deploy_config(DEFAULT_YAML, "rocm")
     assert not rocm.stages.thinker.cuda_graph and rocm.stages.talker.cuda_graph
