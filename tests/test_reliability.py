@@ -159,6 +159,17 @@ def test_a_fatal_device_error_fails_everything_and_refuses_new_requests(monkeypa
     o.engine.shutdown()
 
 
+def test_a_request_added_while_a_stage_dies_is_refused(monkeypatch):
+    """The race: `add_request` checked `error` just before a stage died; it must not slip in unfailed."""
+    o = fresh()
+    o.engine._on_error(EngineDeadError("stage talker died"))  # what a dying worker does
+    monkeypatch.setattr(type(o.engine), "error", property(lambda self: None))  # its check ran before that
+    with pytest.raises(EngineDeadError):
+        submit(o, ["late"])
+    assert not o.engine.requests
+    o.engine.shutdown()
+
+
 def wait_dead(o: Omni) -> None:
     deadline = time.monotonic() + 10
     while o.engine.error is None and time.monotonic() < deadline:

@@ -145,7 +145,9 @@ class Orchestrator:
             emit(delta)
 
         req.emit = emit_and_forget
-        with self._done:
+        with self._done:  # NOTE: under the lock `_on_error` takes: a request is failed by it or refused here
+            if self._error is not None:
+                raise EngineDeadError(f"the engine has failed: {self._error!r}")
             self.requests[req.request_id] = req
         self.stages.thinker.add(req)
 
