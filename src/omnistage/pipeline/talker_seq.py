@@ -1,4 +1,5 @@
-"""A request's state in the talker stage, and which text row its next frame takes."""
+"""A request's state in the talker stage and which text row its next frame takes; a run's batch; a
+launched step."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from omnistage.engine.request import Request
 from omnistage.models.qwen3_omni.rope_index import MRope
+from omnistage.pipeline.talker_runner import FrameBatch
 
 
 @dataclass
@@ -61,3 +63,12 @@ class Launched:
         if self.ready is not None:
             self.ready.synchronize()
         return self.c0.tolist()
+
+
+def frame_batch(batch: list[tuple[TalkerSeq, torch.Tensor]], tables: dict[str, list[int]]) -> FrameBatch:
+    """One run's requests and their input rows as the runner (or the eager head) takes them."""
+    seqs = [s for s, _ in batch]
+    return FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
+                      [s.num_computed for s in seqs], [tables[s.req.request_id] for s in seqs],
+                      [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
+                      [s.frames for s in seqs], torch.stack([s.seen for s in seqs]), [s.mrope for s in seqs])

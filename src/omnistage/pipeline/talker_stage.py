@@ -26,7 +26,7 @@ from omnistage.models.qwen3_omni.talker_prompt import (
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
-from omnistage.pipeline.talker_seq import Launched, TalkerSeq
+from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
 
 
 class TalkerStage:
@@ -149,7 +149,7 @@ class TalkerStage:
                   if self.runner else [batch])
         runs = []
         for group in filter(None, groups):
-            fb = self._frame_batch(group)
+            fb = frame_batch(group, self.blocks.tables)
             frames, codec_embeds = self._run(fb)
             for i, (seq, _) in enumerate(group):
                 seq.seen.copy_(fb.seen[i])
@@ -166,13 +166,6 @@ class TalkerStage:
                 code = next(c0)
                 if self.seqs.get(seq.req.request_id) is seq:  # not ended (or aborted) since its launch
                     self.faults.run(seq.req, self._advance, seq, frames[i], code)
-
-    def _frame_batch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> FrameBatch:
-        seqs = [s for s, _ in batch]
-        return FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
-                          [s.num_computed for s in seqs], [self.blocks.tables[s.req.request_id] for s in seqs],
-                          [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
-                          [s.frames for s in seqs], torch.stack([s.seen for s in seqs]), [s.mrope for s in seqs])
 
     def _run(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """(frames [B, G], codec_embeds [B, H]): a decode batch through the runner's graph, a prefill batch
