@@ -49,8 +49,8 @@ def to_cpu(payload: Any) -> Any:
 
 @ray.remote(concurrency_groups={"outbox": 1})
 class StageActor:
-    """`add` / `abort` run in the actor's default group (one thread: in submission order); `drain` in its
-    own group, so a waiting drain never holds them up."""
+    """`handle` (batches of adds and aborts) runs in the actor's default group (one thread: in submission
+    order); `drain` in its own group, so a waiting drain never holds it up."""
 
     def __init__(self, p: Placement, name: str, replica: int, worker_name: str, tokenizer: Any = None,
                  tts: torch.Tensor | None = None) -> None:
@@ -70,6 +70,14 @@ class StageActor:
 
     def start(self) -> None:
         self.worker.start()
+
+    def handle(self, ops: list[tuple[str, str, dict[str, Any] | None, Any]]) -> None:
+        """(`"add"`, request_id, spec, payload) and (`"abort"`, request_id, ...) in the driver's order."""
+        for op, request_id, spec, payload in ops:
+            if op == "abort":
+                self.abort(request_id)
+            else:
+                self.add(request_id, spec, payload)
 
     def add(self, request_id: str, spec: dict[str, Any] | None, payload: Any) -> None:
         """`spec` comes with a request's first payload to this actor; `payload` None: the request itself."""

@@ -3,7 +3,7 @@
 
 The orchestrator holds a `RayStage` per actor, with the interface of a local stage (`stage_handle.py`):
 `add` sends a payload (its tensors on the CPU; the request's plain copy with its first payload to that
-actor), `abort` reaches the actor's stage, and a pump thread per actor drains the actor's outbox and
+actor), `abort` reaches the actor's stage (both in order, batched into one Ray call by a sender thread), and a pump thread per actor drains the actor's outbox and
 dispatches each event to the driver's request (its deltas, usage, parts done) or to the orchestrator's
 router (payloads for the next stage). A dead actor or a dead stage worker ends as a dead local stage does:
 every request in flight fails and the engine reports the error.
@@ -25,6 +25,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from omnistage.engine.request import Request
 from omnistage.outputs import Usage
+from omnistage.pipeline.connector import Inbox
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.placement import Placement, replica_names
 from omnistage.pipeline.ray_actor import StageActor, request_spec
@@ -54,6 +55,9 @@ class RayStage:
         self._lock = threading.Lock()
         self._dead = self._stopping = False
         self._pump = threading.Thread(target=self._run, name=f"omnistage-ray-{name}", daemon=True)
+        # adds and aborts, sent in order, as one Ray call per batch that queued meanwhile (not one per payload)
+        self._outgoing: Inbox[tuple] = Inbox(threading.Event())
+        self._sender = threading.Thread(target=self._send, name=f"omnistage-ray-{name}-send", daemon=True)
 
     def add(self, item: Any) -> None:
         req = item if isinstance(item, Request) else item.request
@@ -66,12 +70,20 @@ class RayStage:
             if self._opened.get(req.request_id) is not req:
                 self._opened[req.request_id] = req
                 spec = request_spec(req)
-            self.actor.add.remote(req.request_id, spec, payload)
+            self._outgoing.put(("add", req.request_id, spec, payload))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
             if not self._dead:
-                self.actor.abort.remote(request_id)
+                self._outgoing.put(("abort", request_id, None, None))
+
+    def _send(self) -> None:
+        while not self._stopping:
+            if self._outgoing.wake.wait(DRAIN_WAIT_S):
+                self._outgoing.wake.clear()
+            ops = self._outgoing.drain()
+            if ops and not self._dead:
+                self.actor.handle.remote(ops)
 
     def stats(self) -> dict[str, int | float]:
         return dict(self._stats)
@@ -87,11 +99,13 @@ class RayStage:
     def start(self) -> None:
         self.actor.start.remote()
         self._pump.start()
+        self._sender.start()
 
     def stop(self) -> None:
         self._stopping = True
         ray.kill(self.actor)
         self._pump.join(timeout=10)
+        self._sender.join(timeout=10)
         if self.on_stop is not None:
             self.on_stop()
 
