@@ -54,6 +54,12 @@ class Inbox(Generic[T]):
         if self.wake is not None:
             self.wake.set()
 
+    def wait_drain(self, timeout: float) -> list[T]:
+        """`drain`, after waiting up to `timeout` s for an item (needs `wake`)."""
+        if self.wake.wait(timeout):
+            self.wake.clear()
+        return self.drain()
+
     def drain(self) -> list[T]:
         out = []
         while self._items:

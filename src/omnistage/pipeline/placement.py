@@ -56,9 +56,14 @@ def num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device
     return max(8, budget // per_block)
 
 
-def capture(stage: ThinkerStage | TalkerStage, sc: StageConfig) -> None:
-    """CUDA graphs for the deploy config's `cuda_graph_capture_widths` now, not in the first requests."""
-    if stage.runner is not None and sc.cuda_graph_capture_widths:
+def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) -> None:
+    """CUDA graphs now, not in the first requests: code2wav's fixed chunk shapes, the thinker's and the
+    talker's at the deploy config's `cuda_graph_capture_widths`."""
+    if stage.runner is None:
+        return
+    if isinstance(stage, Code2WavStage):
+        stage.runner.capture()
+    elif sc.cuda_graph_capture_widths:
         stage.runner.capture(sc.cuda_graph_capture_widths)
 
 
@@ -82,7 +87,9 @@ def build_replica(p: Placement, name: str, replica: int = 0, to_next: Callable |
     sc, dev, dt, module = p.build(name, replica)
     # NOTE: graphs are captured on the current device's streams and pool: make it the replica's.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        return _stage(p, name, sc, dev, dt, module, to_next, tokenizer, tts), dev
+        stage = _stage(p, name, sc, dev, dt, module, to_next, tokenizer, tts)
+        capture(stage, sc)
+    return stage, dev
 
 
 def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torch.dtype,
@@ -104,10 +111,6 @@ def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torc
                               initial_chunk_frames=conn.initial_codec_chunk_frames,
                               chunk_frames=conn.codec_chunk_frames, cuda_graph=sc.cuda_graph,
                               graph_batch_sizes=sc.graph_batch_sizes())
-        if stage.runner is not None:
-            stage.runner.capture()
-        return stage
-    capture(stage, sc)
     return stage
 
 

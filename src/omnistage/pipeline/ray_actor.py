@@ -97,9 +97,7 @@ class StageActor:
     @ray.method(concurrency_group="outbox")
     def drain(self, timeout: float) -> tuple[list[Event], dict[str, int | float]]:
         """The events queued so far (waits up to `timeout` s for one), and the stage's stats now."""
-        if self.outbox.wake.wait(timeout):
-            self.outbox.wake.clear()
-        return self.outbox.drain(), worker_stats(self.worker)
+        return self.outbox.wait_drain(timeout), worker_stats(self.worker)
 
     def _open(self, spec: dict[str, Any]) -> Request:
         req = Request(**spec, emit=lambda delta: self._event("emit", req, delta))

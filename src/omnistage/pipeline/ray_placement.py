@@ -79,9 +79,7 @@ class RayStage:
 
     def _send(self) -> None:
         while not self._stopping:
-            if self._outgoing.wake.wait(DRAIN_WAIT_S):
-                self._outgoing.wake.clear()
-            ops = self._outgoing.drain()
+            ops = self._outgoing.wait_drain(DRAIN_WAIT_S)
             if ops and not self._dead:
                 self.actor.handle.remote(ops)
 

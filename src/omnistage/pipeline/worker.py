@@ -56,28 +56,24 @@ class StageWorker:
         torch.cuda.set_device(self.device)
         return torch.cuda.stream(torch.cuda.Stream(self.device, priority=self.priority))
 
-    def _profiled(self) -> contextlib.AbstractContextManager:
+    @contextlib.contextmanager
+    def _profiled(self) -> Iterator[None]:
         """With OMNISTAGE_PROFILE_DIR set, cProfile this worker's thread into DIR/<name>.prof at stop.
         NOTE: from Python 3.12 a profiler sees every thread and only one may run: the first worker's
         file then holds all threads, the others profile nothing."""
         out = os.environ.get("OMNISTAGE_PROFILE_DIR")
-        if not out:
-            return contextlib.nullcontext()
-        prof = cProfile.Profile()
-
-        @contextlib.contextmanager
-        def run() -> Iterator[None]:
-            try:
+        prof = cProfile.Profile() if out else None
+        try:
+            if prof is not None:
                 prof.enable()
-            except ValueError:  # another profiler is active (Python >= 3.12)
-                yield
-                return
-            try:
-                yield
-            finally:
+        except ValueError:  # another profiler is active (Python >= 3.12)
+            prof = None
+        try:
+            yield
+        finally:
+            if prof is not None:
                 prof.disable()
                 prof.dump_stats(os.path.join(out, f"{self.name}.prof"))
-        return run()
 
     def _run(self) -> None:
         try:
