@@ -9,6 +9,12 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
+# NOTE: before Triton loads: without a GPU, @triton.jit kernels run in Triton's interpreter on CPU tensors, so
+# the fused kernels are checked here too (tests take `KERNEL_DEVICE`; they skip when Triton is missing).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 from omnistage.models.qwen3_omni.presets import preset_config
 from omnistage.models.qwen3_omni.weights import init_reference_weights
 

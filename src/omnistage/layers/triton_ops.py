@@ -23,8 +23,11 @@ try:
     import triton
     import triton.language as tl
     from triton.language.extra import libdevice
-except ImportError:  # NOTE: CPU-only installs (CI) have no Triton; the reference path runs there.
+except ImportError:  # NOTE: CPU-only installs may lack Triton; the reference path runs there.
     triton = None
+else:
+    # NOTE: Triton's interpreter (TRITON_INTERPRET=1, the tests on a CPU) has no libdevice: numpy's math there.
+    libdevice = tl.math if os.environ.get("TRITON_INTERPRET") == "1" else libdevice
 
 ENABLED = os.environ.get("OMNISTAGE_FUSED_OPS", "1") != "0"
 
@@ -87,7 +90,7 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _race_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, out_ptr, vocab, BLOCK: tl.constexpr):
+    def _race_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, out_ptr, vocab: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         seed = tl.load(seeds_ptr + row)
         lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
@@ -103,8 +106,8 @@ if triton is not None:
             score = tl.load(x_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=-float("inf"))
             score = tl.where(m, score - libdevice.log(-libdevice.log(u)), -float("inf"))
             v, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
-            if v > best:
-                best, best_i = v, start + i
+            best_i = tl.where(v > best, start + i, best_i)
+            best = tl.maximum(best, v)
         tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
