@@ -1,10 +1,22 @@
-"""Dense SwiGLU MLP (Qwen3 `gate_proj` / `up_proj` / `down_proj`)."""
+"""Dense SwiGLU MLP (Qwen3 `gate_proj` / `up_proj` / `down_proj`); `fuse_projections` merges gate and up
+into one GEMM whose output `silu_mul` turns into the activation in one kernel (CUDA fast path)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from omnistage.layers import triton_activation, triton_ops
+from omnistage.layers.linear import merge_linears
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`silu(gate) * up` of `gate_up [..., 2I]` (gate first): one kernel on the fast path, eager elsewhere."""
+    if triton_ops.fast_path(gate_up):
+        return triton_activation.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 class SwiGLUMLP(nn.Module):
@@ -13,6 +25,13 @@ class SwiGLUMLP(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.gate_up_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """gate_proj and up_proj as one GEMM (their weights become views into `gate_up_weight`)."""
+        self.gate_up_weight, _ = merge_linears([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.gate_up_weight is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))

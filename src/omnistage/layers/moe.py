@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers.mlp import SwiGLUMLP
+from omnistage.layers.mlp import SwiGLUMLP, silu_mul
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,8 +46,8 @@ def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
     counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
     offs = counts.cumsum(0, dtype=torch.int32)
-    gate, up = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs).chunk(2, dim=-1)
-    y = torch._grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offs)
+    gate_up = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs)
+    y = torch._grouped_mm(silu_mul(gate_up), w_down.transpose(1, 2), offs=offs)
     y = y * weights.flatten()[order, None]
     return torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1).sum(dim=1)
 
