@@ -220,3 +220,16 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_stage_summary_splits_gpu_time_from_step_time() -> None:
+    from omnistage.bench.stage_stats import parse_stage_counters, stage_summary
+
+    text = "".join(f'omnistage_stage_{k}_total{{stage="{st}"}} {v}\n' for st, k, v in (
+        ("talker", "steps", 110), ("talker", "busy_seconds", 3.0), ("talker", "step_rows", 1000),
+        ("talker", "graph_gpu_seconds", 1.5), ("talker", "graph_replays", 100), ("code2wav", "steps", 5)))
+    before = {"talker": {"steps": 10, "busy_seconds": 1.0, "graph_gpu_seconds": 0.5, "graph_replays": 0}}
+    summary = stage_summary(before, parse_stage_counters(text), wall_s=2.0)
+    assert summary["talker"] == pytest.approx({"steps_per_s": 50, "mean_step_ms": 20, "busy_fraction": 1.0,
+                                               "mean_batch": 10, "graph_ms": 10, "graph_gpu_fraction": 0.5})
+    assert "graph_ms" not in summary["code2wav"]

@@ -5,6 +5,9 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+import torch
+
 from omnistage.engine.cuda_graph import CUDAGraphs
 
 
@@ -25,3 +28,15 @@ def test_captures_of_different_stages_never_overlap(monkeypatch) -> None:
     for t in threads:
         t.join()
     assert seen == [1] * 6
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replays_are_timed_on_the_gpu() -> None:
+    graphs = CUDAGraphs()
+    x = torch.randn(2048, 2048, device="cuda")
+    graphs.capture("mm", lambda: x @ x @ x)
+    for _ in range(5):
+        graphs.replay("mm")
+    torch.cuda.synchronize()
+    graphs.timer.harvest()
+    assert graphs.timer.replays == 5 and 0 < graphs.timer.gpu_seconds < 1

@@ -93,17 +93,20 @@ def markdown(results: dict) -> str:
 
 def _stage_lines(rows: list[dict]) -> list[str]:
     """Per-stage step figures of the rows that have them (omnistage: /metrics before and after the row)."""
-    lines = ["| variant | P | c | stage | steps/s | mean step ms | busy | mean batch |", "|---" * 8 + "|"]
+    lines = ["| variant | P | c | stage | steps/s | mean step ms | busy | mean batch | graph GPU ms | graph GPU busy |",
+             "|---" * 10 + "|"]
     for row in sorted((r for r in rows if r.get("stages")), key=lambda r: (r.get("variant") or "", r["prompt_tokens"],
                                                                          r["concurrency"])):
         for stage, s in sorted(row["stages"].items()):
             lines.append(f"| {row.get('variant') or ''} | {row['prompt_tokens']} | {row['concurrency']} | {stage} | "
                          + " | ".join(_cell(s, k, f) for k, f in (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"),
-                                                                  ("busy_fraction", "{:.0%}"), ("mean_batch", "{:.1f}")))
+                                                                  ("busy_fraction", "{:.0%}"), ("mean_batch", "{:.1f}"),
+                                                                  ("graph_ms", "{:.1f}"), ("graph_gpu_fraction", "{:.0%}")))
                          + " |")
     if len(lines) == 2:
         return []
-    return ["", "Where the time goes (server step counters over each row; busy = the stage's worker inside a step):",
+    return ["", "Where the time goes (server step counters over each row; busy = the stage's worker inside a step; "
+            "graph GPU = its CUDA graph replays on the GPU, timed by events):",
             "", *lines]
 
 

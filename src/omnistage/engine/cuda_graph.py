@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
@@ -84,6 +85,30 @@ class StaticDecodeContext:
             block_size=self.block_size)
 
 
+class ReplayTimer:
+    """GPU time of graph replays: CUDA events around each replay, read without a sync (a replay counts once
+    its end event has completed). It includes waiting for SMs the other stages' kernels hold, not the host's
+    time: against a stage's step wall time it tells the GPU's share from the host's."""
+
+    def __init__(self) -> None:
+        self.gpu_seconds, self.replays = 0.0, 0
+        self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+
+    def replay(self, graph: torch.cuda.CUDAGraph) -> None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        self._pending.append((start, end))
+        self.harvest()
+
+    def harvest(self) -> None:
+        while self._pending and self._pending[0][1].query():
+            start, end = self._pending.popleft()
+            self.gpu_seconds += start.elapsed_time(end) / 1e3
+            self.replays += 1
+
+
 class CUDAGraphs:
     """One CUDA graph per key, captured from a function of static buffers; all share one memory pool.
     Sharing is safe because the graphs replay one at a time on one stream and their outputs stay
@@ -93,6 +118,7 @@ class CUDAGraphs:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Any]] = {}
         self.pool: Any = None
         self.stream: torch.cuda.Stream | None = None
+        self.timer = ReplayTimer()
 
     def __contains__(self, key: Hashable) -> bool:
         return key in self.graphs
@@ -122,5 +148,5 @@ class CUDAGraphs:
     def replay(self, key: Hashable) -> Any:
         """Replay the graph of `key` on the current stream; returns its (static) outputs."""
         graph, out = self.graphs[key]
-        graph.replay()
+        self.timer.replay(graph)
         return out

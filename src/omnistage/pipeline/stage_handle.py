@@ -34,9 +34,14 @@ class StageHandle(Protocol):
 
 
 def worker_stats(w: StageWorker) -> dict[str, int | float]:
-    """A stage's stats with its worker's counters: what `Orchestrator.stats` reports per stage."""
-    return {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests, "steps": w.steps,
-            "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
+    """A stage's stats with its worker's counters (and its CUDA graphs' GPU time, where it has graphs):
+    what `Orchestrator.stats` reports per stage."""
+    out = {**w.stage.stats(), "active": w.stage.num_active, "failed": w.failed_requests, "steps": w.steps,
+           "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
+    graphs = getattr(getattr(w.stage, "runner", None), "graphs", None)
+    if graphs is not None:
+        out.update(graph_gpu_seconds=graphs.timer.gpu_seconds, graph_replays=graphs.timer.replays)
+    return out
 
 
 def kv_capacity(stage: Any) -> int | None:

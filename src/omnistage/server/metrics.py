@@ -128,17 +128,21 @@ class ServerMetrics:
                             "Wall time of the steps that did work (ran rows or completed earlier ones).",
                             ("stage",))
         self.step_rows = Counter(f"{p}_stage_step_rows_total", "Requests in those steps, summed.", ("stage",))
+        self.graph_gpu = Counter(f"{p}_stage_graph_gpu_seconds_total",
+                                 "GPU time of the stage's CUDA graph replays (events around each).", ("stage",))
+        self.graph_replays = Counter(f"{p}_stage_graph_replays_total", "CUDA graph replays timed.", ("stage",))
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
-                     self.steps, self.busy, self.step_rows, self.waiting, self.waiting_tokens, self.rss]
+                     self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.waiting, self.waiting_tokens, self.rss]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
                       kv_blocks_total: int | None = None, active: int | None = None,
                       failed: int | None = None, steps: int | None = None, busy_seconds: float | None = None,
-                      step_rows: int | None = None) -> None:
+                      step_rows: int | None = None, graph_gpu_seconds: float | None = None,
+                      graph_replays: int | None = None) -> None:
         self.batch_size.set(batch_size, stage=stage)
         self.queue_depth.set(queue_depth, stage=stage)
         if kv_blocks_used is not None:
@@ -148,7 +152,8 @@ class ServerMetrics:
         if active is not None:
             self.active.set(active, stage=stage)
         for counter, total in ((self.failed, failed), (self.steps, steps), (self.busy, busy_seconds),
-                               (self.step_rows, step_rows)):
+                               (self.step_rows, step_rows), (self.graph_gpu, graph_gpu_seconds),
+                               (self.graph_replays, graph_replays)):
             if total is not None:
                 counter.set_total(total, stage=stage)
 
