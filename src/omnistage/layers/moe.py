@@ -5,8 +5,9 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
 - reference: loop over the experts that were hit (plain torch, CPU / tests; host syncs);
 - grouped: tokens sorted by expert, two `torch._grouped_mm` calls (CUDA bf16). Per-expert row
   counts come from `scatter_add_` rather than `bincount` / `histc`, so there is no host sync and the
-  path is CUDA-graph capturable; the top-k outputs are un-permuted with `index_copy_` and summed in
-  a fixed order (deterministic, no atomics).
+  path is CUDA-graph capturable; the top-k outputs are gathered back and summed in a fixed order
+  (deterministic, no atomics). With `fast_path` the routing and this bookkeeping run as Triton
+  kernels (`layers.triton_moe`), the torch sort staying for long prefills.
 """
 
 from __future__ import annotations
@@ -15,11 +16,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.layers import triton_moe
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
+from omnistage.layers.triton_ops import fast_path
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, k] in the logits dtype, expert ids [T, k]); softmax in fp32."""
+    if fast_path(router_logits):
+        return triton_moe.route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
@@ -38,26 +43,37 @@ def fused_experts_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: to
     return out
 
 
-def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                          weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    num_tokens, top_k = ids.shape
+def sort_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Flat slots sorted by expert (stable): (source token of each sorted row, sorted row of each slot,
+    cumulative rows per expert int32); `triton_moe.moe_align` in torch ops."""
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.zeros(w_gate_up.shape[0], dtype=torch.int32, device=x.device)
+    counts = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-    offs = counts.cumsum(0, dtype=torch.int32)
-    gate_up = torch._grouped_mm(x[order // top_k], w_gate_up.transpose(1, 2), offs=offs)
+    pos = torch.empty_like(order).index_copy_(0, order, torch.arange(order.numel(), device=ids.device))
+    return order // ids.shape[1], pos, counts.cumsum(0, dtype=torch.int32)
+
+
+def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    return (y[pos].view(*weights.shape, -1) * weights[..., None]).sum(dim=1)
+
+
+def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                          weights: torch.Tensor, ids: torch.Tensor, fused_ops: bool = False) -> torch.Tensor:
+    kernel_sort = fused_ops and ids.numel() <= triton_moe.MAX_ALIGN_SLOTS
+    token, pos, offs = (triton_moe.moe_align if kernel_sort else sort_by_expert)(ids, w_gate_up.shape[0])
+    gate_up = torch._grouped_mm(x[token], w_gate_up.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(silu_mul(gate_up), w_down.transpose(1, 2), offs=offs)
-    y = y * weights.flatten()[order, None]
-    return torch.empty_like(y).index_copy_(0, order, y).view(num_tokens, top_k, -1).sum(dim=1)
+    return (triton_moe.moe_unpermute if fused_ops else unpermute)(y, weights, pos)
 
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Path choice: grouped GEMM on CUDA bf16 (rows must be 16-byte aligned), the reference loop otherwise."""
+    """Path choice: grouped GEMM on CUDA bf16 (rows must be 16-byte aligned; with `fast_path` its bookkeeping
+    in Triton kernels), the reference loop otherwise."""
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
-        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids)
+        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x))
     return fused_experts_reference(x, w_gate_up, w_down, weights, ids)
 
 
