@@ -5,6 +5,7 @@
 - code predictor: dense SwiGLU layers, 1-D RoPE (no `mrope_section`).
 Every attention has q/k RMSNorm over head_dim (before RoPE) and reads the paged KV cache through the
 `ForwardContext` (see `omnistage.layers.context`). Module names mirror the checkpoint's.
+`fuse_projections` (CUDA, after loading) runs q/k/v and each dense gate/up as one GEMM.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.attention import Attention
+from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
-from omnistage.layers.norm import RMSNorm
+from omnistage.layers.norm import RMSNorm, rms_norm_qk
 from omnistage.layers.rotary import RotaryEmbedding
 
 
@@ -85,7 +88,7 @@ class DecoderAttention(nn.Module):
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         h, nh, kv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.head_dim = hd
+        self.head_dim, self.num_heads, self.num_kv_heads = hd, nh, kv
         self.q_proj = nn.Linear(h, nh * hd, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, kv * hd, bias=cfg.attention_bias)
         self.v_proj = nn.Linear(h, kv * hd, bias=cfg.attention_bias)
@@ -93,13 +96,30 @@ class DecoderAttention(nn.Module):
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         self.attn = Attention(nh, kv, hd, hd**-0.5)
+        self.qkv_weight: torch.Tensor | None = None
+        self.qkv_bias: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """q/k/v as one GEMM (their weights become views into `qkv_weight`)."""
+        self.qkv_weight, self.qkv_bias = merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        q, k, v = self._qkv(x, cos, sin) if self.qkv_weight is None else self._qkv_fused(x, cos, sin)
+        return self.o_proj(self.attn(q, k, v).flatten(1))
+
+    def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, -1, self.head_dim), cos, sin)
         k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim), cos, sin)
-        v = self.v_proj(x).view(t, -1, self.head_dim)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return q, k, self.v_proj(x).view(t, -1, self.head_dim)
+
+    def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One GEMM; q/k normed straight from its output, v a strided view of it (no copies)."""
+        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], -1, self.head_dim)
+        nqk = self.num_heads + self.num_kv_heads
+        q, k = rms_norm_qk(qkv[:, :nqk], self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                           self.q_norm.eps, cos, sin)
+        return q, k, qkv[:, nqk:]
 
 
 class DecoderLayer(nn.Module):
@@ -148,3 +168,13 @@ class DecoderModel(nn.Module):
                 h = h.index_add(0, deepstack.index, deepstack.embeds[i].to(h.dtype))
         h = self.norm(h)
         return h, (h if capture_layer == len(self.layers) else captured)
+
+
+def fuse_projections(module: nn.Module) -> None:
+    """The fast path's merged GEMMs: q/k/v of every decoder attention and gate/up of every dense SwiGLU in
+    `module` run as one GEMM each. The per-projection weights become views into the merged ones, so no second
+    copy is held and module and parameter names stay the checkpoint's (loading later still works).
+    NOTE: call once the module is on its device and dtype (`layers.linear.merge_linears`)."""
+    for m in module.modules():
+        if isinstance(m, (DecoderAttention, SwiGLUMLP)):
+            m.fuse_projections()

@@ -10,6 +10,8 @@ import torch
 from torch import nn
 from transformers import Qwen3OmniMoeConfig
 
+from omnistage.layers import triton_ops
+from omnistage.models.qwen3_omni.decoder import fuse_projections
 from omnistage.models.qwen3_omni.weights import init_dummy_weights, load_stage_weights
 
 FULL_SIZE_CONFIG = Path(__file__).parent / "configs" / "qwen3_omni_30b_a3b_instruct.json"
@@ -60,7 +62,8 @@ def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path
                 load_format: str = "auto", device: str | torch.device = "cpu",
                 dtype: str | torch.dtype | None = None, seed: int = 0) -> nn.Module:
     """A stage on `device` in `dtype`, eval mode: weights from `model_dir` (load_format "auto") or
-    seeded random weights made on the device itself (load_format "dummy")."""
+    seeded random weights made on the device itself (load_format "dummy"). On CUDA (the fast path, unless
+    OMNISTAGE_FUSED_OPS=0) the decoders' projections are then merged (`decoder.fuse_projections`)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     with torch.device(device), _default_dtype(dtype):
@@ -74,4 +77,6 @@ def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path
         load_stage_weights(module, model_dir, stage)
     else:
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
+    if device.type == "cuda" and triton_ops.ENABLED:
+        fuse_projections(module)
     return module
