@@ -35,7 +35,7 @@ def omni(graph: bool) -> Omni:
 
 
 def spy(o: Omni):
-    return graph_helpers.spy(o.engine.thinker.runner, o.engine.thinker.thinker.model, BLOCK, lambda seqs, tables: {
+    return graph_helpers.spy(o.engine.thinker.runner, o.engine.thinker.thinker.model, BLOCK, lambda seqs, tables, *_: {
         t[s.num_computed // BLOCK] * BLOCK + s.num_computed % BLOCK for s, t in zip(seqs, tables)})
 
 

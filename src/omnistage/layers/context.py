@@ -87,6 +87,24 @@ def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) 
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
+class HostCopy:
+    """A device tensor on its way to the host: a pinned non-blocking copy and an event, so the host waits
+    only when it reads the values (asynchronous output's one sync per step)."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.ready: torch.cuda.Event | None = None
+        if t.is_cuda:
+            t = t.to("cpu", non_blocking=True)  # NOTE: lands in pinned memory, so the copy is truly async
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        self.host = t
+
+    def tolist(self) -> list:
+        if self.ready is not None:
+            self.ready.synchronize()
+        return self.host.tolist()
+
+
 def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
                   block_size: int, device: torch.device | str = "cpu") -> ForwardContext:
     """Context for sequences that already hold `num_computed[i]` tokens in the cache and append `num_new[i]`."""

@@ -99,7 +99,8 @@ def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torc
         stage = ThinkerStage(module, p.config, tokenizer, to_next, max_batch_size=sc.max_batch_size,
                              max_num_batched_tokens=sc.max_num_batched_tokens,
                              num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
-                             cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes())
+                             cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
+                             async_output=p.deploy.async_output)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
                             num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,

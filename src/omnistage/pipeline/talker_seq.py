@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.engine.request import Request
+from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.rope_index import MRope
 from omnistage.pipeline.talker_runner import FrameBatch
 
@@ -42,26 +43,17 @@ class TalkerSeq:
 @dataclass
 class Launched:
     """A launched talker step: per run its (seqs and input rows, frames [B, G] on the device), and
-    codebook 0 of every row on its way to the host (`ready` records when it is there; None: already)."""
+    codebook 0 of every row on its way to the host."""
 
     runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]
-    c0: torch.Tensor
-    ready: torch.cuda.Event | None
+    c0: HostCopy
 
     @classmethod
     def of(cls, runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]) -> Launched:
-        c0 = torch.cat([frames[:, 0] for _, frames in runs])
-        if not c0.is_cuda:
-            return cls(runs, c0, None)
-        host = c0.to("cpu", non_blocking=True)  # NOTE: pinned (non_blocking device-to-host), so truly async
-        ready = torch.cuda.Event()
-        ready.record()
-        return cls(runs, host, ready)
+        return cls(runs, HostCopy(torch.cat([frames[:, 0] for _, frames in runs])))
 
     def codes0(self) -> list[int]:
         """Codebook 0 of every row in run order (waits for the step on the device: the one host sync)."""
-        if self.ready is not None:
-            self.ready.synchronize()
         return self.c0.tolist()
 
 

@@ -83,19 +83,12 @@ def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any
     p, device = req.prompt, next(thinker.parameters()).device
     ids = torch.tensor(p.input_ids, device=device)
     embeds, deepstack = thinker.embed(ids, *media)
-    vocab, sp = thinker.lm_head.out_features, req.sampling
-    seen = counts = None
-    if sp.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        seen[ids] = True
-    if sp.presence_penalty or sp.frequency_penalty:
-        counts = torch.zeros(vocab, dtype=torch.int32, device=device)
     mm = torch.isin(ids, torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id],
                                       device=device))
     mrope = mrope_positions(p.input_ids, spec, p.image_grid_thw, p.video_grid_thw, p.video_second_per_grid,
                             p.audio_feature_lens, p.use_audio_in_video)
-    return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(tokenizer, p.input_ids), seen, counts,
-                      has_mm=bool(mm.any()), mrope=mrope, deepstack=deepstack)
+    return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(tokenizer, p.input_ids), has_mm=bool(mm.any()),
+                      mrope=mrope, deepstack=deepstack)
 
 
 def step_deepstack(batch: list[tuple[ThinkerSeq, int]]) -> Deepstack | None:

@@ -2,10 +2,11 @@
 CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
 The graph is token ids -> embeddings -> thinker forward over the paged KV cache -> logits -> sampling
--> the sampled tokens' embeddings (which the stage sends to the talker). Penalties read static `seen`
-[B, V] and `counts` [B, V] (zero for rows without them: a no-op). Padding rows (past the live ones) feed
-token 0 at position 0, are greedy, and write KV only to the scratch block
-(`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path, as in
+-> the sampled tokens' embeddings (which the stage sends to the talker). Penalties gather each row's
+`seen` / `counts` from the stage's `PenaltyTable` by slot and record the sampled token there, in the
+graph. A row whose last token is still in flight (asynchronous output) takes it from the launched step
+on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the table's
+scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path, as in
 `pipeline.talker_runner`: a greedy row is still its argmax, neutral truncation removes nothing.
 """
 
@@ -16,36 +17,37 @@ from collections.abc import Sequence
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
-from omnistage.layers.context import forward_context
+from omnistage.engine.penalty_table import PenaltyTable
+from omnistage.layers.context import forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors, sample
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps
+_INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 
 
 class ThinkerGraphRunner:
     def __init__(self, thinker: torch.nn.Module, batch_sizes: list[int], max_width: int, block_size: int,
-                 scratch_block: int) -> None:
+                 scratch_block: int, penalties: PenaltyTable) -> None:
         """Buckets `batch_sizes`; block tables of up to `max_width` blocks; padding rows write
         `scratch_block`. Captures CUDA graphs when the thinker is on a CUDA device."""
         dev = next(thinker.parameters()).device
-        self.thinker, self.batch_sizes = thinker, sorted(batch_sizes)
+        self.thinker, self.batch_sizes, self.penalties = thinker, sorted(batch_sizes), penalties
         self.max_width, self.block_size = max_width, block_size
         self.min_width = 1  # the narrowest width captured at start (see `width_bucket`)
-        rows, vocab = self.batch_sizes[-1], thinker.lm_head.out_features
-        self.ints = torch.zeros(3 + len(_INTS), rows, dtype=torch.long, device=dev)
+        rows = self.batch_sizes[-1]
+        self.ints = torch.zeros(4 + len(_INTS), rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
         self.rope_delta = torch.zeros(rows, dtype=torch.float32, device=dev)  # M-RoPE: position = index + delta
-        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
-        self.counts = torch.zeros(rows, vocab, dtype=torch.int32, device=dev)
         self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
         self.graphs: CUDAGraphs | None = CUDAGraphs() if dev.type == "cuda" else None
 
-    def run(self, seqs: list[ThinkerSeq], tables: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Decode step of `seqs` (each feeds its last output token) -> (tokens [B], their embeddings
-        [B, H]); None when B exceeds the largest bucket (the caller runs the step eagerly)."""
+    def run(self, seqs: list[ThinkerSeq], tables: list[list[int]], pending: Launched | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Decode step of `seqs` (each feeds its last token: from `pending`, the step in flight, when it is
+        there) -> (tokens [B], their embeddings [B, H]); None when B exceeds the largest bucket (the caller
+        runs the step eagerly)."""
         n = len(seqs)
         b = batch_bucket(n, self.batch_sizes)
         if b is None:
@@ -53,7 +55,7 @@ class ThinkerGraphRunner:
         need = -(-(max(s.num_computed for s in seqs) + 1) // self.block_size)
         w = width_bucket(need, self.max_width, self.min_width)
         self._capture(b, w)
-        self._load(b, w, seqs, tables)
+        self._load(b, w, seqs, tables, pending)
         tokens, embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
         # NOTE: copies: a graph's outputs are overwritten by its next replay, and embeds go to the talker.
         return tokens[:n].clone(), embeds[:n].clone()
@@ -71,7 +73,8 @@ class ThinkerGraphRunner:
             self._load(b, w, [], [])  # warm-up and capture see padding rows only
             self.graphs.capture((b, w), lambda: self._forward(b, w))
 
-    def _load(self, b: int, w: int, seqs: list[ThinkerSeq], tables: list[list[int]]) -> None:
+    def _load(self, b: int, w: int, seqs: list[ThinkerSeq], tables: list[list[int]],
+              pending: Launched | None = None) -> None:
         """Copy the live rows into the static buffers, padding rows up to `b`."""
         pad = [0] * (b - len(seqs))
         computed = [s.num_computed for s in seqs]
@@ -82,16 +85,17 @@ class ThinkerGraphRunner:
         def col(values: list[int]) -> torch.Tensor:
             return torch.tensor(values + pad, dtype=torch.long)
 
-        ints = [col([s.output_ids[-1] for s in seqs]), col(computed), col([len(s.output_ids) for s in seqs]),
-                *(getattr(st, f) for f in _INTS)]
+        in_flight = {id(s): i for i, s in enumerate(pending.seqs)} if pending is not None else {}
+        last = [0 if id(s) in in_flight else s.output_ids[-1] for s in seqs]
+        ints = [col(last), col(computed), col([s.num_sampled for s in seqs]), *(getattr(st, f) for f in _INTS),
+                torch.tensor([s.slot for s in seqs] + [self.penalties.scratch] * len(pad))]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
         self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
         self.rope_delta[:b].copy_(torch.tensor([s.rope_delta for s in seqs] + [0.0] * len(pad)), non_blocking=True)
-        for buf, rows in ((self.seen, [s.seen for s in seqs]), (self.counts, [s.counts for s in seqs])):
-            buf[:b].zero_()
-            for i, row in enumerate(rows):
-                if row is not None:
-                    buf[i].copy_(row)
+        rows = [i for i, s in enumerate(seqs) if id(s) in in_flight]
+        if rows:
+            src = to_device([in_flight[id(seqs[i])] for i in rows], torch.long, self.ints.device)
+            self.ints[0].index_copy_(0, to_device(rows, torch.long, self.ints.device), pending.tokens[src])
 
     def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The decode step on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
@@ -102,5 +106,8 @@ class ThinkerGraphRunner:
         with forward_context(self.context.context(b, w)):
             hidden, _ = model(model.embed_tokens(self.ints[0, :b]), self.ints[1, :b] + self.rope_delta[:b])
         logits = self.thinker.compute_logits(hidden)
-        tokens = sample(logits, st, self.ints[2, :b], seen=self.seen[:b], counts=self.counts[:b])
+        slots = self.ints[5, :b]
+        seen, counts = self.penalties.gather(slots)
+        tokens = sample(logits, st, self.ints[2, :b], seen=seen, counts=counts)
+        self.penalties.record(slots, tokens)
         return tokens, model.embed_tokens(tokens)

@@ -1,4 +1,4 @@
-"""A request's state in the thinker stage, and what each new token does to its text."""
+"""A request's state in the thinker stage, what each new token does to its text, and a launched step."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
-from omnistage.layers.sampling import record_tokens
+from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.rope_index import MRope
 
@@ -20,10 +20,11 @@ class ThinkerSeq:
     embeds: torch.Tensor  # [L, H]
     mm_mask: torch.Tensor  # [L] bool
     detok: IncrementalDetokenizer
-    seen: torch.Tensor | None  # [V] bool, prompt + output (repetition penalty)
-    counts: torch.Tensor | None  # [V] int, output only (presence / frequency penalties)
     has_mm: bool = False  # the prompt has multimodal placeholders (the talker needs their hidden rows)
     num_computed: int = 0
+    num_sampled: int = 0  # tokens launched (with asynchronous output, one step ahead of `output_ids`)
+    slot: int = -1  # its row of the stage's `PenaltyTable` while running
+    released: bool = False  # finished or aborted: a launched step's token for it is dropped
     emitted: int = 0  # characters of detok.text already streamed
     output_ids: list[int] = field(default_factory=list)
     mm_hidden: list[torch.Tensor] = field(default_factory=list)
@@ -43,12 +44,10 @@ class ThinkerSeq:
     def in_prefill(self) -> bool:
         return self.num_computed < self.prompt_len
 
-    def append(self, token: int, t: torch.Tensor, eos_ids: set[int]) -> tuple[str, bool, bool]:
-        """Record a sampled token (`t`: it on the device) -> (new text to stream, stopped, done).
-        Text that could be the start of a stop string is held back until it cannot be."""
+    def append(self, token: int, eos_ids: set[int]) -> tuple[str, bool, bool]:
+        """A sampled token -> (new text to stream, stopped, done). Text that could be the start of a stop
+        string is held back until it cannot be."""
         self.output_ids.append(token)
-        record_tokens(t, None if self.seen is None else self.seen[None],
-                      None if self.counts is None else self.counts[None])
         sp = self.req.sampling
         self.detok.step(token)
         full = self.detok.text
@@ -61,3 +60,22 @@ class ThinkerSeq:
         text = full[self.emitted:end] if end > self.emitted else ""
         self.emitted = max(self.emitted, end)
         return text, stopped, done
+
+
+@dataclass
+class Launched:
+    """A launched thinker step: the rows that sampled a token (`seqs`, in order), the tokens and their
+    embeddings on the device, and the tokens on their way to the host."""
+
+    seqs: list[ThinkerSeq]
+    tokens: torch.Tensor  # [n]
+    embeds: torch.Tensor  # [n, H]
+    host: HostCopy
+
+    @classmethod
+    def of(cls, runs: list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]) -> Launched | None:
+        if not runs:
+            return None
+        tokens = torch.cat([t for _, t, _ in runs])
+        return cls([s for seqs, _, _ in runs for s in seqs], tokens, torch.cat([e for _, _, e in runs]),
+                   HostCopy(tokens))

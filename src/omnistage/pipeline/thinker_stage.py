@@ -1,4 +1,5 @@
-"""Thinker stage: continuous batching over a paged KV cache; chunked prefill within a token budget."""
+"""Thinker stage: continuous batching over a paged KV cache; chunked prefill within a token budget;
+asynchronous output (the host handles step N's tokens while step N+1 runs on the device)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
-from omnistage.layers.context import build_context, forward_context
+from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.outputs import OutputDelta
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, flat_positions
@@ -20,27 +22,31 @@ from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.thinker_inputs import Media, encode_media, encode_together, new_seq, step_deepstack
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
 
 class ThinkerStage:
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
-                 block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = ()) -> None:
+                 block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
+                 async_output: bool = False) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
-        chunks of the same step eagerly beside them; one KV block is then reserved for padding rows."""
+        chunks of the same step eagerly beside them; one KV block is then reserved for padding rows.
+        `async_output`: see `step`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
+        self.vocab = thinker.lm_head.out_features
+        self.penalties = PenaltyTable(max_batch_size, self.vocab, p.device)
         self.runner: ThinkerGraphRunner | None = None
         if cuda_graph:
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch)
-        self.vocab = thinker.lm_head.out_features
+            self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
+                                             self.penalties)
         self.accept_layer = config.talker_config.accept_hidden_layer
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
@@ -48,6 +54,7 @@ class ThinkerStage:
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
         self.last_batch = 0
+        self.async_output, self.pending = async_output, None
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
@@ -77,7 +84,9 @@ class ThinkerStage:
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
-        batch = [(s, 1) for s in self.running if not s.in_prefill][: self.max_batch_size]
+        # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
+        batch = [(s, 1) for s in self.running
+                 if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
         budget = self.token_budget - len(batch)
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0 or len(batch) >= self.max_batch_size:
@@ -85,12 +94,13 @@ class ThinkerStage:
             n = min(seq.prompt_len - seq.num_computed, budget)
             batch.append((seq, n))
             budget -= n
-        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
+        while self.waiting and budget > 0 and len(batch) < self.max_batch_size and self.penalties.num_free:
             seq = self.waiting[0]
             total = seq.prompt_len + seq.req.sampling.max_tokens
             if not self.blocks.can_allocate(seq.req.request_id, total):
                 break
             self.blocks.allocate(seq.req.request_id, total)
+            seq.slot = self.penalties.acquire(seq.prompt_ids)
             self.running.append(self.waiting.popleft())
             n = min(seq.prompt_len, budget)
             batch.append((seq, n))
@@ -99,31 +109,45 @@ class ThinkerStage:
 
     @torch.no_grad()
     def step(self) -> bool:
+        """Launch this step; complete it at once, or (asynchronous output) complete the previous step while
+        this one runs on the device: a request's next decode row then takes its last token on the device,
+        and a request that ends on a token has one more token computed and dropped."""
         batch = self._schedule()
         self.last_batch = len(batch)
         self.step_requests = [s.req for s, _ in batch]
-        if not batch:
-            return False
+        launched = self._launch(batch) if batch else None
+        if self.async_output:
+            launched, self.pending = self.pending, launched
+        if launched is not None:
+            self._complete(launched)
+        return bool(batch) or launched is not None
+
+    def _launch(self, batch: list[tuple[ThinkerSeq, int]]) -> Launched | None:
         seqs = [s for s, _ in batch if not s.in_prefill]
         prefills = [(s, n) for s, n in batch if s.in_prefill]
-        out = self.runner.run(seqs, [self.blocks.tables[s.req.request_id] for s in seqs]) if (
-            self.runner is not None and seqs) else None
-        if out is None:
-            self._forward(batch)
-            return True
-        # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly beside it.
+        tables = [self.blocks.tables[s.req.request_id] for s in seqs]
+        out = self.runner.run(seqs, tables, self.pending) if self.runner is not None and seqs else None
+        if out is None:  # NOTE: eager decode rows read their last token on the host: finish the step in flight
+            self._drain()
+            return Launched.of(self._forward([(s, n) for s, n in batch if not s.released]))
+        # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly beside them.
         for seq in seqs:
             seq.num_computed += 1
-        if prefills:
-            self._forward(prefills)
-        self._emit(seqs, *out)
-        return True
+            seq.num_sampled += 1
+        return Launched.of([(seqs, *out), *self._forward(prefills)])
 
-    def _forward(self, batch: list[tuple[ThinkerSeq, int]]) -> None:
+    def _drain(self) -> None:
+        launched, self.pending = self.pending, None
+        if launched is not None:
+            self._complete(launched)
+
+    def _forward(self, batch: list[tuple[ThinkerSeq, int]]) -> list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]:
         """An eager step over any mix of decodes and prefill chunks; samples the rows that need a token."""
+        if not batch:
+            return []
         # NOTE: `_schedule` puts decodes first: their rows are one embedding lookup, then prefill slices.
         decode_ids = [s.output_ids[-1] for s, _ in batch if not s.in_prefill]
-        rows = [self.thinker.model.embed_tokens(torch.tensor(decode_ids, device=self.device))] if decode_ids else []
+        rows = [self.thinker.model.embed_tokens(to_device(decode_ids, torch.long, self.device))] if decode_ids else []
         rows += [s.embeds[s.num_computed:s.num_computed + n] for s, n in batch if s.in_prefill]
         spans = [(s.num_computed, n) for s, n in batch]
         positions = flat_positions(spans, [s.mrope for s, _ in batch], self.device)
@@ -142,34 +166,30 @@ class ThinkerStage:
             if not seq.in_prefill:
                 seq.deepstack = None  # NOTE: the prompt is done: its DeepStack rows are not needed again
                 samplers.append((seq, offset - 1))
-        if samplers:
-            self._sample(samplers, hidden)
+        return [self._sample(samplers, hidden)] if samplers else []
 
-    def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor) -> None:
+    def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor
+                ) -> tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]:
         seqs = [s for s, _ in samplers]
-        logits = self.thinker.compute_logits(hidden[torch.tensor([i for _, i in samplers], device=self.device)])
+        logits = self.thinker.compute_logits(hidden[to_device([i for _, i in samplers], torch.long, self.device)])
         st = SamplingTensors.build([s.req.sampling for s in seqs], [s.req.seed for s in seqs], self.device)
-        seen = self._stack([s.seen for s in seqs], torch.bool)
-        counts = self._stack([s.counts for s in seqs], torch.int32)
-        steps = torch.tensor([len(s.output_ids) for s in seqs], device=self.device)
-        tokens = sample(logits, st, steps, seen=seen, counts=counts)
-        embeds = self.thinker.model.embed_tokens(tokens) if any(s.req.want_audio for s in seqs) else None
-        self._emit(seqs, tokens, embeds)
+        slots = to_device([s.slot for s in seqs], torch.long, self.device)
+        seen, counts = self.penalties.gather(slots)
+        tokens = sample(logits, st, to_device([s.num_sampled for s in seqs], torch.long, self.device),
+                        seen=seen, counts=counts)
+        self.penalties.record(slots, tokens)
+        for seq in seqs:
+            seq.num_sampled += 1
+        return seqs, tokens, self.thinker.model.embed_tokens(tokens)
 
-    def _emit(self, seqs: list[ThinkerSeq], tokens: torch.Tensor, embeds: torch.Tensor | None) -> None:
-        # NOTE: the one host sync of the step; it also makes `embeds` ready for the talker's stream.
-        for i, (seq, token) in enumerate(zip(seqs, tokens.tolist())):
-            embed = None if embeds is None else embeds[i]
-            self.faults.run(seq.req, self._append, seq, token, tokens[i:i + 1], embed)
+    def _complete(self, launched: Launched) -> None:
+        # NOTE: the one host sync of the step; it also makes the embeddings ready for the talker's stream.
+        for i, (seq, token) in enumerate(zip(launched.seqs, launched.host.tolist())):
+            if not seq.released:  # not ended (or aborted) since its launch
+                self.faults.run(seq.req, self._append, seq, token, launched.embeds[i])
 
-    def _stack(self, rows: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor | None:
-        if all(r is None for r in rows):
-            return None
-        zero = torch.zeros(self.vocab, dtype=dtype, device=self.device)
-        return torch.stack([zero if r is None else r for r in rows])
-
-    def _append(self, seq: ThinkerSeq, token: int, t: torch.Tensor, embed: torch.Tensor | None) -> None:
-        text, stopped, done = seq.append(token, t, self.eos_ids)
+    def _append(self, seq: ThinkerSeq, token: int, embed: torch.Tensor) -> None:
+        text, stopped, done = seq.append(token, self.eos_ids)
         req = seq.req
         if req.want_audio:
             prompt = None
@@ -192,6 +212,10 @@ class ThinkerStage:
         req.part_done()
 
     def _release(self, seq: ThinkerSeq) -> None:
+        seq.released = True
+        if seq.slot >= 0:
+            self.penalties.release(seq.slot)
+            seq.slot = -1
         self.blocks.release(seq.req.request_id)
         if seq in self.running:
             self.running.remove(seq)

@@ -1,6 +1,6 @@
-"""Asynchronous output (deploy `async_output`): the talker completes step N while step N+1 runs. Same
-codes, audio, text and frame counts as completing each step at once, codec_eos stops included; aborts
-free everything."""
+"""Asynchronous output (deploy `async_output`): the thinker and the talker complete step N while step N+1
+runs. Same tokens, text, codes, audio and frame counts as completing each step at once (penalties, stop
+strings and codec_eos stops included); aborts free everything (KV blocks, penalty rows)."""
 
 from __future__ import annotations
 
@@ -29,16 +29,20 @@ def omni(async_output: bool, graph: bool) -> Omni:
         "async_output": async_output, "stages": {"thinker": small, "talker": small}})
     # NOTE: cuda_graph set past validation means "runner on, graphs captured only on CUDA" (as test_talker_graph)
     talker = replace(cfg.stages.talker, cuda_graph=graph, cuda_graph_batch_sizes=(1, 2, 4, 8))
-    o = Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker)), device="cpu")
-    assert o.engine.talkers[0].async_output is async_output and (o.engine.talkers[0].runner is not None) is graph
+    thinker = replace(cfg.stages.thinker, cuda_graph=graph, cuda_graph_batch_sizes=(1, 2, 4, 8),
+                      cuda_graph_capture_widths=(1,))
+    o = Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker, thinker=thinker)), device="cpu")
+    for stage in (o.engine.talkers[0], o.engine.thinker):
+        assert stage.async_output is async_output and (stage.runner is not None) is graph
     return o
 
 
-def run(o: Omni, frames: list[int], ignore_eos: bool = True, seed: int | None = None) -> list:
-    """Greedy, or (`seed`) sampled talkers with per-request seeds (the request's seed drives every stage)."""
+def run(o: Omni, frames: list[int], ignore_eos: bool = True, seed: int | None = None, **thinker) -> list:
+    """Greedy, or (`seed`) sampled talkers with per-request seeds (the request's seed drives every stage);
+    `thinker`: more thinker sampling parameters."""
     talker = [{"temperature": 0 if seed is None else 0.9, "max_frames": f, "ignore_eos": ignore_eos}
               for f in frames]
-    sampling = [{"temperature": 0, "max_tokens": 6, **({} if seed is None else {"seed": seed + i})}
+    sampling = [{"temperature": 0, "max_tokens": 6, **({} if seed is None else {"seed": seed + i}), **thinker}
                 for i in range(len(frames))]
     return o.chat([[{"role": "user", "content": PROMPTS[i % 4]}] for i in range(len(frames))],
                   voice=["Ethan", "Aiden", "Chelsie"][:1] * len(frames), sampling=sampling, talker_sampling=talker)
@@ -46,7 +50,8 @@ def run(o: Omni, frames: list[int], ignore_eos: bool = True, seed: int | None = 
 
 def same(a: list, b: list) -> None:
     for x, y in zip(a, b, strict=True):
-        assert x.token_ids == y.token_ids and x.codes.shape == y.codes.shape and np.array_equal(x.codes, y.codes)
+        assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason
+        assert x.codes.shape == y.codes.shape and np.array_equal(x.codes, y.codes)
         np.testing.assert_allclose(x.audio, y.audio, rtol=0, atol=1e-6)
 
 
@@ -55,6 +60,21 @@ def test_async_output_equals_completing_each_step(graph: bool) -> None:
     frames = [5, 13, 1, 21, 8]
     same(run(omni(True, graph), frames), run(omni(False, graph), frames))
     same(run(omni(True, graph), frames, seed=7), run(omni(False, graph), frames, seed=7))
+    # penalties read the tokens of the step in flight (recorded on the device, not by the host)
+    pen = dict(temperature=1.5, repetition_penalty=0.05, presence_penalty=-4.0, frequency_penalty=-2.0, max_tokens=12)
+    a, b = run(omni(True, graph), frames, seed=3, **pen), run(omni(False, graph), frames, seed=3, **pen)
+    same(a, b)
+    assert any(len(set(r.token_ids)) < len(r.token_ids) for r in a)  # the penalties made it repeat tokens
+
+
+def test_async_output_stops_on_a_stop_string_as_sync() -> None:
+    free = run(omni(False, True), [3] * 4)
+    stops = [r.text[len(r.text) // 2:][:2] or "x" for r in free]  # a piece from the middle of each text
+    a = [run(omni(True, True), [3], stop=[s]) for s in stops]
+    b = [run(omni(False, True), [3], stop=[s]) for s in stops]
+    for x, y in zip(a, b):
+        same(x, y)
+    assert sum(r[0].finish_reason == "stop" and len(r[0].token_ids) < 6 for r in a) >= 2
 
 
 def test_async_output_stops_at_codec_eos_as_sync() -> None:
@@ -79,8 +99,9 @@ def test_async_output_stops_at_codec_eos_as_sync() -> None:
 
 
 def clean(o: Omni) -> None:
-    t, c = o.engine.talkers[0], o.engine.code2wavs[0]
+    t, c, th = o.engine.talkers[0], o.engine.code2wavs[0], o.engine.thinker
     assert not o.engine.requests and not t.seqs and t.pending is None and t.blocks.num_used == 0 and not c.seqs
+    assert th.pending is None and th.blocks.num_used == 0 and th.penalties.num_free == th.max_batch_size
 
 
 def test_async_output_aborts_free_everything() -> None:

@@ -1,0 +1,46 @@
+"""Per-request penalty state kept on the device in fixed rows (as vLLM's persistent input batch).
+
+A request holds one row ("slot") of `seen [R + 1, V]` (prompt and output ids: repetition penalty) and
+`counts [R + 1, V]` (output ids: presence / frequency penalties) from admission to release. A step
+gathers its rows by slot and records its sampled tokens by slot, both on the device, so nothing is
+copied per request per step and a step launched before the previous one's tokens reach the host still
+sees them (asynchronous output). Row R is scratch for CUDA-graph padding rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class PenaltyTable:
+    def __init__(self, rows: int, vocab: int, device: torch.device | str) -> None:
+        self.seen = torch.zeros(rows + 1, vocab, dtype=torch.bool, device=device)
+        self.counts = torch.zeros(rows + 1, vocab, dtype=torch.int32, device=device)
+        self.scratch = rows
+        self._free = list(range(rows - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def acquire(self, prompt_ids: torch.Tensor) -> int:
+        """A cleared row with the prompt's ids marked seen."""
+        if not self._free:
+            raise RuntimeError("no free penalty row: more running requests than the stage's max_batch_size")
+        slot = self._free.pop()
+        self.seen[slot].zero_()
+        self.counts[slot].zero_()
+        self.seen[slot, prompt_ids] = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
+
+    def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(seen [B, V], counts [B, V]) of the rows `slots` [B] (device)."""
+        return self.seen.index_select(0, slots), self.counts.index_select(0, slots)
+
+    def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Add sampled `tokens` [B] to rows `slots` [B] (padding rows may repeat the scratch slot)."""
+        self.seen.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.bool))
+        self.counts.index_put_((slots, tokens), torch.ones_like(tokens, dtype=torch.int32), accumulate=True)
