@@ -62,7 +62,6 @@ def test_rms_norm_qk_reads_the_fused_output_in_place(heads: int, kv_heads: int, 
     launched = _spy_kernel(monkeypatch, triton_ops, "_rms_norm_rope_kernel")
     q, k = triton_ops.rms_norm_qk(qkv[:, :heads + kv_heads], qw, kw, heads, 1e-6, cos, sin)
     assert launched == [qkv.data_ptr()]  # one launch, on the GEMM output itself (no copy)
-    assert q.shape == (t, heads, d) and k.shape == (t, kv_heads, d) and q.is_contiguous() and k.is_contiguous()
     # strided rows give the bits the one-weight kernel gives on contiguous copies (same arithmetic per row)
     assert torch.equal(q, triton_ops.rms_norm(qkv[:, :heads].contiguous(), qw, 1e-6, cos, sin))
     assert torch.equal(k, triton_ops.rms_norm(qkv[:, heads:heads + kv_heads].contiguous(), kw, 1e-6, cos, sin))
@@ -85,7 +84,6 @@ def test_silu_mul_matches_eager(shape: tuple[int, ...], monkeypatch) -> None:
     launched = _spy_kernel(monkeypatch, triton_activation, "_silu_mul_kernel")
     fused, eager = triton_activation.silu_mul(gate_up), F.silu(gate) * up
     assert launched == [gate_up.data_ptr()]  # strided rows read in place
-    assert fused.shape == eager.shape
     if EXACT:
         assert torch.equal(fused, eager)  # eager's rounding: fp32 silu (expf, IEEE division), rounded, then mul
     torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-7)  # each value, not just the largest
@@ -105,14 +103,15 @@ def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     return ref, fused
 
 
-def _count_linear(monkeypatch, calls: list[int]) -> None:
-    linear = F.linear
+def _count_linear(monkeypatch) -> list[int]:
+    calls, linear = [0], F.linear
 
     def counting(*args, **kwargs):
         calls[0] += 1
         return linear(*args, **kwargs)
 
     monkeypatch.setattr(F, "linear", counting)
+    return calls
 
 
 def _prefill_then_decode(model: torch.nn.Module, embeds: torch.Tensor) -> list[torch.Tensor]:
@@ -132,8 +131,7 @@ def _prefill_then_decode(model: torch.nn.Module, embeds: torch.Tensor) -> list[t
 def test_fused_talker_decoder_matches_unfused(preset: str, kernels: bool, monkeypatch) -> None:
     ref, fused = _pair(_talker(preset).model)
     embeds = torch.randn(15, ref.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
-    calls = [0]
-    _count_linear(monkeypatch, calls)
+    calls = _count_linear(monkeypatch)
     want = _prefill_then_decode(ref, embeds)
     unfused_calls, calls[0] = calls[0], 0
     monkeypatch.setattr(triton_ops, "fast_path", lambda x: kernels)  # the interpreter's kernels on the CPU
@@ -149,9 +147,7 @@ def test_fused_code_predictor_matches_unfused(preset: str, monkeypatch) -> None:
     ref, fused = _pair(_talker(preset).code_predictor)
     rows, hidden = 3, ref.model.config.hidden_size
     x = torch.randn(rows * 3, hidden, generator=torch.Generator().manual_seed(2)).to(DEV, DTYPE)
-    calls = [0]
-    _count_linear(monkeypatch, calls)
-    outs = []
+    calls, outs = _count_linear(monkeypatch), []
     for i, cp in enumerate((ref, fused)):
         if i:
             monkeypatch.setattr(triton_ops, "fast_path", lambda x: True)
