@@ -128,8 +128,9 @@ class ThinkerStage:
         tables = [self.blocks.tables[s.req.request_id] for s in seqs]
         out = self.runner.run(seqs, tables, self.pending) if self.runner is not None and seqs else None
         if out is None:  # NOTE: eager decode rows read their last token on the host: finish the step in flight
-            self._drain()
-            return Launched.of(self._forward([(s, n) for s, n in batch if not s.released]))
+            self._drain()  # (a request it ended, or whose token failed to complete, leaves this step)
+            return Launched.of(self._forward([(s, n) for s, n in batch
+                                              if not s.released and len(s.output_ids) == s.num_sampled]))
         # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly beside them.
         for seq in seqs:
             seq.num_computed += 1
