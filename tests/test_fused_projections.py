@@ -1,5 +1,5 @@
-"""Merged projections (one GEMM for q/k/v and for gate/up, `decoder.fuse_projections`) and the kernels that read
-their outputs in place (`triton_ops.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in Triton's
+"""Merged projections (one GEMM for q/k/v and for gate/up, `decoder.fuse_projections`) and the kernels that
+read their outputs in place (`triton_ops.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in Triton's
 interpreter on the CPU (conftest); fp32 there, bf16 with exactness checks on the GPU."""
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from omnistage.models.qwen3_omni.weights import init_dummy_weights
 
 pytestmark = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
 
-EXACT = DEV == "cuda"  # NOTE: the interpreter truncates fp32 -> bf16 (test_triton_ops.py): bit checks on the GPU
+EXACT = DEV == "cuda"  # NOTE: the interpreter truncates fp32 -> bf16 (see test_triton_ops.py): bits on the GPU
 DTYPE = torch.bfloat16 if EXACT else torch.float32
 TOL = 3e-2 if EXACT else 2e-6  # fused vs separate GEMMs through whole layers: bf16 steps on the GPU
 
@@ -64,12 +64,14 @@ def test_rms_norm_qk_reads_the_fused_output_in_place(heads: int, kv_heads: int, 
     assert launched == [qkv.data_ptr()]  # one launch, on the GEMM output itself (no copy)
     # strided rows give the bits the one-weight kernel gives on contiguous copies (same arithmetic per row)
     assert torch.equal(q, triton_ops.rms_norm(qkv[:, :heads].contiguous(), qw, 1e-6, cos, sin))
-    assert torch.equal(k, triton_ops.rms_norm(qkv[:, heads:heads + kv_heads].contiguous(), kw, 1e-6, cos, sin))
-    for out, part, weight in ((q, qkv[:, :heads], qw), (k, qkv[:, heads:heads + kv_heads], kw)):
+    k_rows = qkv[:, heads:heads + kv_heads]
+    assert torch.equal(k, triton_ops.rms_norm(k_rows.contiguous(), kw, 1e-6, cos, sin))
+    for out, part, weight in ((q, qkv[:, :heads], qw), (k, k_rows, kw)):
         ref = apply_rotary_emb(rms_norm_reference(part, weight, 1e-6), cos, sin)
         assert rel(out, ref) <= (2 ** -7 if EXACT else 1e-6)
     hidden, hw = qkv.flatten(1)[:, 8:8 + h], (1 + 0.2 * torch.randn(h, device=DEV, generator=g)).to(DTYPE)
-    assert torch.equal(triton_ops.rms_norm(hidden, hw, 1e-6), triton_ops.rms_norm(hidden.contiguous(), hw, 1e-6))
+    assert torch.equal(triton_ops.rms_norm(hidden, hw, 1e-6),
+                       triton_ops.rms_norm(hidden.contiguous(), hw, 1e-6))
     assert launched[3] == hidden.data_ptr()
 
 
@@ -85,7 +87,7 @@ def test_silu_mul_matches_eager(shape: tuple[int, ...], monkeypatch) -> None:
     fused, eager = triton_activation.silu_mul(gate_up), F.silu(gate) * up
     assert launched == [gate_up.data_ptr()]  # strided rows read in place
     if EXACT:
-        assert torch.equal(fused, eager)  # eager's rounding: fp32 silu (expf, IEEE division), rounded, then mul
+        assert torch.equal(fused, eager)  # eager's rounding: fp32 silu (expf, IEEE division), rounded; mul
     torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-7)  # each value, not just the largest
 
 
@@ -130,7 +132,8 @@ def _prefill_then_decode(model: torch.nn.Module, embeds: torch.Tensor) -> list[t
 @pytest.mark.parametrize("kernels", [True, False])
 def test_fused_talker_decoder_matches_unfused(preset: str, kernels: bool, monkeypatch) -> None:
     ref, fused = _pair(_talker(preset).model)
-    embeds = torch.randn(15, ref.config.hidden_size, generator=torch.Generator().manual_seed(1)).to(DEV, DTYPE)
+    g = torch.Generator().manual_seed(1)
+    embeds = torch.randn(15, ref.config.hidden_size, generator=g).to(DEV, DTYPE)
     calls = _count_linear(monkeypatch)
     want = _prefill_then_decode(ref, embeds)
     unfused_calls, calls[0] = calls[0], 0
@@ -157,7 +160,7 @@ def test_fused_code_predictor_matches_unfused(preset: str, monkeypatch) -> None:
     (want0, want1, unfused_calls), (got0, got1, fused_calls) = outs
     assert rel(got0, want0) < TOL and rel(got1, want1) < TOL
     layers = len(ref.model.layers)
-    assert (unfused_calls, fused_calls) == (2 * layers * 7, 2 * layers * 4)  # q,k,v,o + gate,up,down per layer
+    assert (unfused_calls, fused_calls) == (2 * layers * 7, 2 * layers * 4)  # q,k,v,o,gate,up,down a layer
 
 
 def _merged(module: torch.nn.Module) -> list[tuple[torch.Tensor, list[torch.Tensor]]]:
