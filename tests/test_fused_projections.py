@@ -1,6 +1,6 @@
 """Merged projections (one GEMM for q/k/v and for gate/up, `decoder.fuse_projections`) and the kernels that
-read their outputs in place (`triton_ops.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in Triton's
-interpreter on the CPU (conftest); fp32 there, bf16 with exactness checks on the GPU."""
+read their outputs in place (`triton_ops.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in
+Triton's interpreter on the CPU (conftest); fp32 there, bf16 with exactness checks on the GPU."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ from omnistage.models.qwen3_omni.weights import init_dummy_weights
 
 pytestmark = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
 
-EXACT = DEV == "cuda"  # NOTE: the interpreter truncates fp32 -> bf16 (see test_triton_ops.py): bits on the GPU
+EXACT = DEV == "cuda"  # NOTE: the interpreter truncates fp32 -> bf16 (test_triton_ops.py): bits on the GPU
 DTYPE = torch.bfloat16 if EXACT else torch.float32
 TOL = 3e-2 if EXACT else 2e-6  # fused vs separate GEMMs through whole layers: bf16 steps on the GPU
 
