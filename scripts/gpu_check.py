@@ -106,7 +106,7 @@ def thinker_steps(omni: Omni, sizes: list[int], ctx: int) -> dict:
 
     def step_of(b: int):
         seqs = [ThinkerSeq(SimpleNamespace(sampling=SamplingParams(ignore_eos=True), seed=i), None, None, None,
-                           None, None, None, num_computed=ctx, output_ids=[100 + i]) for i in range(b)]
+                           None, num_computed=ctx, output_ids=[100 + i], slot=st.penalties.scratch) for i in range(b)]
         return lambda tables: lambda: st.runner.run(seqs, tables)[0].tolist()
 
     return {b: graph_vs_static(st, b, ctx, step_of(b)) for b in sizes}

@@ -16,6 +16,7 @@ import argparse
 import json
 import logging
 import time
+from types import SimpleNamespace
 
 import torch
 from gpu_check import sync, talker_steps, thinker_steps, time_steps
@@ -24,7 +25,8 @@ from omnistage.engine.cuda_graph import CUDAGraphs
 from omnistage.entrypoints.omni import Omni
 from omnistage.layers import triton_ops
 from omnistage.pipeline.talker_runner import FrameBatch
-from omnistage.sampling_params import TalkerSamplingParams
+from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 
 def top_kernels(fn, dev: torch.device, n: int = 20) -> dict:
@@ -89,6 +91,9 @@ def step_report(omni: Omni, sizes: list[int]) -> dict:
     tk.runner.graphs = None  # the static path, eagerly: the profiler sees every kernel of the step
     res["talker_profile_b16"] = profile_talker(omni, 16)
     tk.runner.graphs = graphs
+    graphs, th.runner.graphs = th.runner.graphs, None
+    res["thinker_profile_b16"] = profile_thinker(omni, 16)
+    th.runner.graphs = graphs
     return res
 
 
@@ -100,6 +105,18 @@ def profile_talker(omni: Omni, b: int) -> dict:
                     [200] * b, tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)), [10] * b,
                     torch.zeros(b, st.talker.codec_head.out_features, dtype=torch.bool, device=st.device))
     out = top_kernels(lambda: st.runner.run(fb), st.device, 25)
+    for r in ids:
+        st.blocks.release(r)
+    return out
+
+
+def profile_thinker(omni: Omni, b: int) -> dict:
+    st = omni.engine.thinker
+    ids = [f"prof{i}" for i in range(b)]
+    tables = [st.blocks.allocate(r, 264) for r in ids]
+    seqs = [ThinkerSeq(SimpleNamespace(sampling=SamplingParams(ignore_eos=True), seed=i), None, None, None, None,
+                       num_computed=200, output_ids=[100 + i], slot=st.penalties.scratch) for i in range(b)]
+    out = top_kernels(lambda: st.runner.run(seqs, tables), st.device, 25)
     for r in ids:
         st.blocks.release(r)
     return out
