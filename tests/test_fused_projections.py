@@ -29,7 +29,9 @@ pytestmark = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton"
 
 EXACT = DEV == "cuda"  # NOTE: the interpreter truncates fp32 -> bf16 (test_triton_ops.py): bits on the GPU
 DTYPE = torch.bfloat16 if EXACT else torch.float32
-TOL = 3e-2 if EXACT else 2e-6  # fused vs separate GEMMs through whole layers: bf16 steps on the GPU
+# NOTE: whole decoders are compared in fp32: in bf16 one rounding step can flip a MoE routing choice (seen on the
+# H200: 5.5 % at one row of tiny-wide), which says nothing about the fusion; the kernels' bf16 bits are tested above.
+TOL = 1e-4 if EXACT else 2e-6
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -98,8 +100,8 @@ def _talker(preset: str) -> torch.nn.Module:
     return talker
 
 
-def _pair(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    ref = copy.deepcopy(module).to(DEV, DTYPE)
+def _pair(module: torch.nn.Module, dtype: torch.dtype = DTYPE) -> tuple[torch.nn.Module, torch.nn.Module]:
+    ref = copy.deepcopy(module).to(DEV, dtype)
     fused = copy.deepcopy(ref)
     fuse_projections(fused)
     return ref, fused
@@ -119,7 +121,7 @@ def _count_linear(monkeypatch) -> list[int]:
 def _prefill_then_decode(model: torch.nn.Module, embeds: torch.Tensor) -> list[torch.Tensor]:
     """Two sequences (5 and 8 rows) prefilled, then one decode row each; the final hidden of both steps."""
     tables, block = [list(range(4)), list(range(4, 8))], 4
-    allocate_kv_cache(model, 8, block, DTYPE, DEV)
+    allocate_kv_cache(model, 8, block, embeds.dtype, DEV)
     outs = []
     for done, new, rows, pos in (([0, 0], [5, 8], embeds[:13], [*range(5), *range(8)]),
                                  ([5, 8], [1, 1], embeds[13:], [5, 8])):
@@ -131,9 +133,9 @@ def _prefill_then_decode(model: torch.nn.Module, embeds: torch.Tensor) -> list[t
 @torch.no_grad()
 @pytest.mark.parametrize("kernels", [True, False])
 def test_fused_talker_decoder_matches_unfused(preset: str, kernels: bool, monkeypatch) -> None:
-    ref, fused = _pair(_talker(preset).model)
+    ref, fused = _pair(_talker(preset).model, torch.float32)
     g = torch.Generator().manual_seed(1)
-    embeds = torch.randn(15, ref.config.hidden_size, generator=g).to(DEV, DTYPE)
+    embeds = torch.randn(15, ref.config.hidden_size, generator=g).to(DEV)
     calls = _count_linear(monkeypatch)
     want = _prefill_then_decode(ref, embeds)
     unfused_calls, calls[0] = calls[0], 0
@@ -147,9 +149,9 @@ def test_fused_talker_decoder_matches_unfused(preset: str, kernels: bool, monkey
 
 @torch.no_grad()
 def test_fused_code_predictor_matches_unfused(preset: str, monkeypatch) -> None:
-    ref, fused = _pair(_talker(preset).code_predictor)
+    ref, fused = _pair(_talker(preset).code_predictor, torch.float32)
     rows, hidden = 3, ref.model.config.hidden_size
-    x = torch.randn(rows * 3, hidden, generator=torch.Generator().manual_seed(2)).to(DEV, DTYPE)
+    x = torch.randn(rows * 3, hidden, generator=torch.Generator().manual_seed(2)).to(DEV)
     calls, outs = _count_linear(monkeypatch), []
     for i, cp in enumerate((ref, fused)):
         if i:
