@@ -102,7 +102,7 @@ def apply_penalties(logits: torch.Tensor, st: SamplingTensors, seen: torch.Tenso
 def truncate(x: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """top-k, then top-p, then min-p on temperature-scaled logits; removed ids become -inf."""
     vocab = x.shape[-1]
-    sorted_x, order = x.sort(dim=-1)
+    sorted_x, order = x.sort(dim=-1, stable=True)  # NOTE: ties cut by top-p in index order, on every device
     k = torch.where(st.top_k > 0, st.top_k, vocab).clamp(max=vocab)
     remove = sorted_x < sorted_x.gather(1, (vocab - k)[:, None])
     probs = sorted_x.masked_fill(remove, float("-inf")).softmax(-1)
