@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_sampling
 
 _M32 = 0xFFFFFFFF
 
@@ -133,6 +133,8 @@ def sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor, seen:
            counts: torch.Tensor | None = None, suppress: torch.Tensor | None = None) -> torch.Tensor:
     """Token ids [B] from logits [B, V]. `steps` [B] int64 is each row's draw counter: the same
     (seed, step) gives the same draw, so callers advance it once per token they sample."""
+    if triton_sampling.supports(logits):
+        return triton_sampling.fused_sample(logits, st, steps, seen, counts, suppress)
     greedy_view, sample_view = process_logits(logits, st, seen, counts, suppress)
     greedy = greedy_view.argmax(-1)
     if st.all_greedy:

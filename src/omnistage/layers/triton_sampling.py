@@ -1,0 +1,157 @@
+"""Token sampling as ONE Triton kernel per call (one program per row) for vocabularies up to `MAX_VOCAB`.
+
+It computes what `sampling.sample` computes: penalties, suppressed ids, greedy argmax, temperature, top-k ->
+top-p -> min-p, the exponential race with the same hash noise. Nothing is sorted: the k-th largest value and
+the top-p edge are found by bisection over fp32 values ordered by their bit patterns (one count or masked
+sum per step), and ties at the top-p edge are cut in index order, as the stable ascending sort of
+`sampling.truncate` cuts them.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from omnistage.layers import triton_ops
+from omnistage.layers.triton_ops import triton
+
+if TYPE_CHECKING:
+    from omnistage.layers.sampling import SamplingTensors
+
+MAX_VOCAB = 8192
+
+
+def supports(logits: torch.Tensor) -> bool:
+    """The fused sampler takes CUDA logits [B, V] with V <= MAX_VOCAB (fast path on)."""
+    return triton_ops.fast_path(logits) and logits.dim() == 2 and logits.shape[1] <= MAX_VOCAB
+
+
+if triton is not None:
+    import triton.language as tl
+
+    from omnistage.layers.triton_ops import _fmix32, libdevice
+
+    @triton.jit
+    def _order_key(x):
+        bits = x.to(tl.int32, bitcast=True)
+        key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+        return tl.where(key == -1, 0, key)  # NOTE: -0.0 == 0.0: one key, a tie as in torch's sort
+
+    @triton.jit
+    def _penalized(x, row, cols, m, seen_ptr, seen_stride, counts_ptr, counts_stride, sup_ptr, sup_stride,
+                   rep_ptr, pres_ptr, freq_ptr, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                   HAS_SUPPRESS: tl.constexpr):
+        if HAS_SEEN:
+            pen = tl.load(rep_ptr + row)
+            seen = tl.load(seen_ptr + row * seen_stride + cols, mask=m, other=0) != 0
+            x = tl.where(seen, tl.where(x < 0, x * pen, tl.math.div_rn(x, pen)), x)
+        if HAS_COUNTS:
+            c = tl.load(counts_ptr + row * counts_stride + cols, mask=m, other=0).to(tl.float32)
+            x = x - tl.load(freq_ptr + row) * c
+            x = x - tl.load(pres_ptr + row) * (c > 0).to(tl.float32)
+        if HAS_SUPPRESS:
+            sup = tl.load(sup_ptr + row * sup_stride + cols, mask=m, other=0) != 0
+            x = tl.where(sup, -float("inf"), x)
+        return x
+
+    @triton.jit
+    def _kth_key(key, m, top_k, vocab):
+        lo = tl.min(tl.where(m, key, 2147483647), 0).to(tl.int64)
+        hi = tl.where((top_k > 0) & (top_k < vocab), tl.max(key, 0).to(tl.int64), lo)
+        while lo < hi:  # the largest key t with count(key >= t) >= k
+            mid = lo + (hi - lo + 1) // 2
+            ok = tl.sum((m & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= top_k
+            lo = tl.where(ok, mid, lo)
+            hi = tl.where(ok, hi, mid - 1)
+        return lo
+
+    @triton.jit
+    def _top_p_keep(key, p, live, thr):
+        # NOTE: sums in another order than torch's softmax and cumsum move the edge (and the min-p cut) only
+        # where a cumulative sum lies within float rounding (~1e-6) of `1 - top_p`. Ids with p == 0 are cut
+        # as torch cuts them (a cumsum of 0 <= 1 - top_p); with top_p >= 1 no search runs.
+        lo = tl.min(tl.where(live, key, 2147483647), 0).to(tl.int64)
+        hi = tl.where(thr > 0, tl.max(key, 0).to(tl.int64), lo)
+        while lo < hi:  # the smallest key t with sum(p[key <= t]) > thr, else the max
+            mid = lo + (hi - lo) // 2
+            above = tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.0), 0) > thr
+            hi = tl.where(above, mid, hi)
+            lo = tl.where(above, lo, mid + 1)
+        tie = live & (key == lo)
+        rank = tl.cumsum(tie.to(tl.int32), 0)
+        below = tl.sum(tl.where(key < lo, p, 0.0), 0)
+        pv = tl.max(tl.where(tie, p, 0.0), 0)
+        cut = (rank < tl.sum(tie.to(tl.int32), 0)) & (below + rank.to(tl.float32) * pv <= thr)
+        return live & (p > 0) & ((key > lo) | (tie & ~cut))
+
+    @triton.jit
+    def _truncated(x, m, top_k, top_p, min_p, vocab):
+        key = _order_key(x)
+        keep = m & (key >= _kth_key(key, m, top_k, vocab))
+        x = tl.where(keep, x, -float("inf"))
+        e = libdevice.exp(x - tl.max(x, 0))
+        keep = _top_p_keep(key, tl.math.div_rn(e, tl.sum(e, 0)), keep, 1.0 - top_p)
+        s = tl.sum(tl.where(keep, e, 0.0), 0)
+        keep = keep & (tl.math.div_rn(e, s) >= min_p * tl.math.div_rn(1.0, s))
+        return tl.where(keep, x, -float("inf"))
+
+    @triton.jit
+    def _race(x, cols, seed, step):
+        lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+        key = _fmix32(_fmix32(lo) ^ hi)
+        key = _fmix32(key + (step & 0xFFFFFFFF).to(tl.uint32))
+        h = _fmix32(_fmix32(key + cols.to(tl.uint32)) ^ _fmix32(key ^ 0x5BD1E995))
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return tl.argmax(x - libdevice.log(-libdevice.log(u)), 0, tie_break_left=True)
+
+    @triton.jit
+    def _sample_kernel(x_ptr, x_stride, seen_ptr, seen_stride, counts_ptr, counts_stride, sup_ptr, sup_stride,
+                       temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, seeds_ptr,
+                       steps_ptr, out_ptr, vocab, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr,
+                       HAS_SUPPRESS: tl.constexpr, SAMPLE: tl.constexpr, TRUNCATE: tl.constexpr,
+                       BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < vocab
+        x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=-float("inf")).to(tl.float32)
+        x = _penalized(x, row, cols, m, seen_ptr, seen_stride, counts_ptr, counts_stride, sup_ptr, sup_stride,
+                       rep_ptr, pres_ptr, freq_ptr, HAS_SEEN, HAS_COUNTS, HAS_SUPPRESS)
+        token = tl.argmax(x, 0, tie_break_left=True)
+        if SAMPLE:
+            temp = tl.load(temp_ptr + row)
+            x = tl.math.div_rn(x, tl.where(temp > 0, temp, 1.0))
+            if TRUNCATE:
+                x = _truncated(x, m, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
+                               tl.load(min_p_ptr + row), vocab)
+            drawn = _race(x, cols, tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
+            token = tl.where(temp > 0, drawn, token)
+        tl.store(out_ptr + row, token.to(tl.int64))
+
+
+def _rows(t: torch.Tensor | None, fallback: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(tensor, row stride) of an optional [B, V] or [V] mask; a stand-in pointer when absent."""
+    if t is None:
+        return fallback, 0
+    if t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0) if t.dim() == 2 else 0
+
+
+def fused_sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor, seen: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None, suppress: torch.Tensor | None = None) -> torch.Tensor:
+    """`sampling.sample` in one launch: logits [B, V <= MAX_VOCAB] (any float dtype, read as fp32; rows may be
+    strided), `st`'s [B] tensors and `steps` [B] contiguous. Token ids [B] int64; no host sync."""
+    b, vocab = logits.shape
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    out = torch.empty(b, dtype=torch.int64, device=logits.device)
+    block = triton.next_power_of_2(vocab)
+    # NOTE: no fused multiply-adds, so `x - f * count` rounds twice as the eager ops do.
+    _sample_kernel[(b,)](
+        logits, logits.stride(0), *_rows(seen, logits), *_rows(counts, logits), *_rows(suppress, logits),
+        st.temperature, st.top_k, st.top_p, st.min_p, st.repetition_penalty, st.presence_penalty,
+        st.frequency_penalty, st.seeds, steps, out, vocab, HAS_SEEN=seen is not None,
+        HAS_COUNTS=counts is not None, HAS_SUPPRESS=suppress is not None, SAMPLE=not st.all_greedy,
+        TRUNCATE=st.need_truncation, BLOCK=block, num_warps=min(16, max(4, block // 512)), enable_fp_fusion=False)
+    return out
