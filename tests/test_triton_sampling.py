@@ -85,7 +85,7 @@ def _probe(logits_row: torch.Tensor, p, n: int = 32, **masks) -> set[int]:
     fused, eager = _both(logits, [p] * n, seeds=[7] * n, **masks)
     assert torch.equal(fused, eager)
     st = SamplingTensors.build([p], [7], DEV)
-    kept = torch.isfinite(process_logits(logits_row[None], st, **{k: v if v.dim() == 1 else v[:1] for k, v in masks.items()})[1][0])
+    kept = torch.isfinite(process_logits(logits_row[None], st, **masks)[1][0])  # masks: [V] ones only
     drawn = set(fused.tolist())
     assert kept[list(drawn)].all()
     return drawn
