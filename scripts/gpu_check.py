@@ -88,13 +88,13 @@ def graph_vs_static(stage, b: int, ctx: int, step_of) -> dict:
 
 def talker_steps(omni: Omni, sizes: list[int], ctx: int) -> dict:
     st = omni.engine.talkers[0]
-    vocab, width = st.talker.codec_head.out_features, st.runner.inputs.shape[1]
+    width = st.runner.inputs.shape[1]
 
     def step_of(b: int):
         def with_tables(tables: list) -> object:
             fb = FrameBatch(torch.randn(b, width, device=st.device, dtype=st.dtype) * 0.02, [1] * b, [ctx] * b,
                             tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)), [10] * b,
-                            torch.zeros(b, vocab, dtype=torch.bool, device=st.device))
+                            [st.penalties.scratch] * b)
             return lambda: st.runner.run(fb)[0][:, 0].tolist()
         return with_tables
 

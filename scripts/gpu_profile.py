@@ -103,7 +103,7 @@ def profile_talker(omni: Omni, b: int) -> dict:
     tables = [st.blocks.allocate(r, 264) for r in ids]
     fb = FrameBatch(torch.randn(b, st.runner.inputs.shape[1], device=st.device, dtype=st.dtype) * 0.02, [1] * b,
                     [200] * b, tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)), [10] * b,
-                    torch.zeros(b, st.talker.codec_head.out_features, dtype=torch.bool, device=st.device))
+                    [st.penalties.scratch] * b)
     out = top_kernels(lambda: st.runner.run(fb), st.device, 25)
     for r in ids:
         st.blocks.release(r)

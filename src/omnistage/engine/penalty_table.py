@@ -2,14 +2,20 @@
 
 A request holds one row ("slot") of `seen [R + 1, V]` (prompt and output ids: repetition penalty) and
 `counts [R + 1, V]` (output ids: presence / frequency penalties) from admission to release. A step
-gathers its rows by slot and records its sampled tokens by slot, both on the device, so nothing is
-copied per request per step and a step launched before the previous one's tokens reach the host still
-sees them (asynchronous output). Row R is scratch for CUDA-graph padding rows.
+gathers its rows by slot and records its sampled tokens by slot (the thinker), or gathers `seen` and
+stores it back after the step updated it (the talker's frame head), all on the device: nothing is copied
+per request per step, and a step launched before the previous one's tokens reach the host still sees
+them (asynchronous output). Row R is scratch for CUDA-graph padding rows.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TypeVar
+
 import torch
+
+T = TypeVar("T")
 
 
 class PenaltyTable:
@@ -23,14 +29,15 @@ class PenaltyTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def acquire(self, prompt_ids: torch.Tensor) -> int:
-        """A cleared row with the prompt's ids marked seen."""
+    def acquire(self, prompt_ids: torch.Tensor | None = None) -> int:
+        """A cleared row, with the prompt's ids marked seen."""
         if not self._free:
             raise RuntimeError("no free penalty row: more running requests than the stage's max_batch_size")
         slot = self._free.pop()
         self.seen[slot].zero_()
         self.counts[slot].zero_()
-        self.seen[slot, prompt_ids] = True
+        if prompt_ids is not None:
+            self.seen[slot, prompt_ids] = True
         return slot
 
     def release(self, slot: int) -> None:
@@ -39,6 +46,14 @@ class PenaltyTable:
     def gather(self, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(seen [B, V], counts [B, V]) of the rows `slots` [B] (device)."""
         return self.seen.index_select(0, slots), self.counts.index_select(0, slots)
+
+    def update_seen(self, slots: torch.Tensor, step: Callable[[torch.Tensor], T]) -> T:
+        """`step(seen)` on the rows `slots` [B] gathered ([B, V]; the step marks ids in place), then stored back
+        (padding rows may repeat the scratch slot)."""
+        seen = self.seen.index_select(0, slots)
+        out = step(seen)
+        self.seen.index_copy_(0, slots, seen)
+        return out
 
     def record(self, slots: torch.Tensor, tokens: torch.Tensor) -> None:
         """Add sampled `tokens` [B] to rows `slots` [B] (padding rows may repeat the scratch slot)."""

@@ -5,8 +5,8 @@ batch bucket, so a prefill costs an eager talker forward, not ~10k eager kernels
 
 The graph is all of `Talker.step` for one row per request: talker forward over the paged KV cache,
 codebook-0 sampling, the code predictor's passes with sampling, the next codec embedding. Padding rows
-(past the live ones) have zero input at position 0, are greedy with a fresh `seen`, and write KV only to
-the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path (the
+(past the live ones) have zero input at position 0, are greedy, use the `PenaltyTable`'s scratch row and
+write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path (the
 host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is still exactly its
 argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
 """
@@ -20,19 +20,20 @@ from typing import Any
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
+from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context
 from omnistage.layers.sampling import SamplingTensors
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
-_INTS = ("seeds", "top_k")  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos
+_INTS = ("seeds", "top_k")  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 
 
 @dataclass
 class FrameBatch:
     """One talker step's requests in batch order: their input rows (flat [T, H]), rows per request,
-    rows already cached, block tables, sampling parameters, seeds, frame numbers, and `seen` [B, vocab]
-    (their generated codebook-0 codes; updated in place by the step)."""
+    rows already cached, block tables, sampling parameters, seeds, frame numbers, and their rows of the
+    stage's `PenaltyTable` (generated codebook-0 codes; updated by the step)."""
 
     inputs: torch.Tensor
     lens: list[int]
@@ -41,34 +42,33 @@ class FrameBatch:
     params: list[Any]
     seeds: list[int]
     frame_index: list[int]
-    seen: torch.Tensor
+    slots: list[int]
     mropes: list[Any] = field(default_factory=list)  # each request's MRope (3-D positions) or None
 
 
 class TalkerGraphRunner:
     def __init__(self, talker: torch.nn.Module, batch_sizes: list[int], max_batch_size: int, max_width: int,
-                 block_size: int, scratch_block: int) -> None:
+                 block_size: int, scratch_block: int, penalties: PenaltyTable) -> None:
         """Buckets `batch_sizes` (<= max_batch_size); block tables of up to `max_width` blocks; padding
         rows write `scratch_block`. Captures CUDA graphs when the talker is on a CUDA device."""
         p = next(talker.parameters())
         dev = p.device
-        self.talker, self.batch_sizes = talker, sorted(batch_sizes)
+        self.talker, self.batch_sizes, self.penalties = talker, sorted(batch_sizes), penalties
         self.max_width, self.block_size = max_width, block_size
         self.min_width = 1  # the narrowest width captured at start (see `width_bucket`)
-        rows, vocab = self.batch_sizes[-1], talker.codec_head.out_features
+        rows = self.batch_sizes[-1]
         # NOTE: graphs hold the code predictor's cache by address: size it for the largest batch any step
         # (graph or eager) runs, so `CodePredictor.predict` never reallocates it.
         talker.code_predictor.allocate_cache(max(rows, max_batch_size))
         self.inputs = torch.zeros(rows, talker.codec_head.in_features, dtype=p.dtype, device=dev)
         self.hidden = torch.zeros_like(self.inputs)  # the head graphs' input: a prefill's last talker hidden
-        self.ints = torch.zeros(2 + len(_INTS) + 1, rows, dtype=torch.long, device=dev)
+        self.ints = torch.zeros(2 + len(_INTS) + 2, rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
         self.rope_delta = torch.zeros(rows, dtype=torch.float32, device=dev)  # M-RoPE: position = index + delta
         self.last_index = torch.arange(rows, device=dev)
-        self.seen = torch.zeros(rows, vocab, dtype=torch.bool, device=dev)
         self.context = StaticDecodeContext(rows, max_width, block_size, scratch_block, dev)
         self.graphs: CUDAGraphs | None = CUDAGraphs() if dev.type == "cuda" else None
-        self._empty = FrameBatch(self.inputs[:0], [], [], [], [], [], [], self.seen[:0])
+        self._empty = FrameBatch(self.inputs[:0], [], [], [], [], [], [], [])
 
     def run(self, batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Decode step (one row per request) -> (frames [B, G], codec_embeds [B, H]) as `Talker.step`;
@@ -114,7 +114,6 @@ class TalkerGraphRunner:
 
     def _outputs(self, out: tuple[torch.Tensor, torch.Tensor], batch: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
         n = len(batch.params)
-        batch.seen.copy_(self.seen[:n])
         # NOTE: copies: a graph's outputs are overwritten by its next replay, and frames go to code2wav.
         return out[0][:n].clone(), out[1][:n].clone()
 
@@ -132,7 +131,7 @@ class TalkerGraphRunner:
 
         ignore_eos = [p.ignore_eos for p in batch.params]
         ints = [col(batch.num_computed), col(batch.frame_index), *(getattr(st, f) for f in _INTS),
-                col(ignore_eos)]
+                col(ignore_eos), torch.tensor(batch.slots + [self.penalties.scratch] * len(pad))]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
         self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
         deltas = [0.0 if m is None else m.delta for m in batch.mropes]
@@ -140,8 +139,6 @@ class TalkerGraphRunner:
         if rows is not None:
             rows_buf[:n].copy_(rows)
         rows_buf[n:b].zero_()
-        self.seen[:n].copy_(batch.seen)
-        self.seen[n:b].zero_()
 
     def _sampling(self, b: int) -> SamplingTensors:
         return SamplingTensors(**{f: self.floats[i, :b] for i, f in enumerate(_FLOATS)},
@@ -151,11 +148,11 @@ class TalkerGraphRunner:
     def _forward(self, b: int, w: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`Talker.step` on the first `b` rows of the static buffers, gathering `w` KV blocks per row."""
         with forward_context(self.context.context(b, w)):
-            return self.talker.step(self.inputs[:b], self.ints[0, :b] + self.rope_delta[:b], self.last_index[:b],
-                                    self._sampling(b),
-                                    self.ints[1, :b], self.seen[:b], self.ints[4, :b] != 0)
+            return self.penalties.update_seen(self.ints[5, :b], lambda seen: self.talker.step(
+                self.inputs[:b], self.ints[0, :b] + self.rope_delta[:b], self.last_index[:b], self._sampling(b),
+                self.ints[1, :b], seen, self.ints[4, :b] != 0))
 
     def _head(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
         """`Talker.head` on the first `b` rows of the static hidden buffer."""
-        return self.talker.head(self.hidden[:b], self._sampling(b), self.ints[1, :b], self.seen[:b],
-                                self.ints[4, :b] != 0)
+        return self.penalties.update_seen(self.ints[5, :b], lambda seen: self.talker.head(
+            self.hidden[:b], self._sampling(b), self.ints[1, :b], seen, self.ints[4, :b] != 0))

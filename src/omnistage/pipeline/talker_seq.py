@@ -18,7 +18,6 @@ from omnistage.pipeline.talker_runner import FrameBatch
 class TalkerSeq:
     req: Request
     prompt_rows: torch.Tensor  # [Lp, H]
-    seen: torch.Tensor  # [V] bool: generated codebook-0 codes (repetition penalty)
     texts: deque[torch.Tensor] = field(default_factory=deque)  # thinker embeds of g_1, g_2, ... not yet used
     num_texts: int = 1  # thinker tokens received (g_0 is in the prompt)
     thinker_done: bool = False
@@ -27,6 +26,7 @@ class TalkerSeq:
     num_computed: int = 0
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
     mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
+    slot: int = -1  # its row of the stage's `PenaltyTable` (generated codebook-0 codes) once admitted
 
     def next_text(self) -> tuple[torch.Tensor | None, bool] | None:
         """The text side of the input after the last frame, as `text_rows` takes it (transformers'
@@ -63,4 +63,4 @@ def frame_batch(batch: list[tuple[TalkerSeq, torch.Tensor]], tables: dict[str, l
     return FrameBatch(torch.cat([r for _, r in batch]), [r.shape[0] for _, r in batch],
                       [s.num_computed for s in seqs], [tables[s.req.request_id] for s in seqs],
                       [s.req.talker_sampling for s in seqs], [s.req.seed + 1 for s in seqs],
-                      [s.frames for s in seqs], torch.stack([s.seen for s in seqs]), [s.mrope for s in seqs])
+                      [s.frames for s in seqs], [s.slot for s in seqs], [s.mrope for s in seqs])

@@ -12,6 +12,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors
@@ -46,12 +47,14 @@ class TalkerStage:
         self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
+        # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
+        self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device)
         self.runner: TalkerGraphRunner | None = None
         if cuda_graph:
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = TalkerGraphRunner(talker, sizes, max_batch_size, self.blocks.num_blocks, block_size,
-                                            scratch)
+                                            scratch, self.penalties)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
@@ -69,6 +72,8 @@ class TalkerStage:
         seq = self.seqs.pop(request_id, None)
         if seq is not None and seq in self.waiting:
             self.waiting.remove(seq)
+        if seq is not None and seq.slot >= 0:
+            self.penalties.release(seq.slot)
         self.blocks.release(request_id)
 
     @property
@@ -99,8 +104,7 @@ class TalkerStage:
         rows = prompt_embeds(self.talker, self.tokens, arrive(p.prompt_ids, self.device),
                              arrive(p.embeds, self.device).to(self.dtype), mm,
                              next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
-        seen = torch.zeros(self.talker.codec_head.out_features, dtype=torch.bool, device=self.device)
-        seq = TalkerSeq(req, rows, seen, mrope=prompt_mrope(self.tokens, p.prompt_ids, req.prompt))
+        seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, p.prompt_ids, req.prompt))
         self.seqs[req.request_id] = seq
         self.waiting.append(seq)
 
@@ -109,9 +113,10 @@ class TalkerStage:
         while self.waiting:
             seq = self.waiting[0]
             need = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
-            if not self.blocks.can_allocate(seq.req.request_id, need):
+            if not (self.penalties.num_free and self.blocks.can_allocate(seq.req.request_id, need)):
                 break
             self.blocks.allocate(seq.req.request_id, need)
+            seq.slot = self.penalties.acquire()
             self.waiting.popleft()
         batch, decodes = [], []
         for seq in self.seqs.values():
@@ -152,7 +157,6 @@ class TalkerStage:
             fb = frame_batch(group, self.blocks.tables)
             frames, codec_embeds = self._run(fb)
             for i, (seq, _) in enumerate(group):
-                seq.seen.copy_(fb.seen[i])
                 seq.num_computed += fb.lens[i]
                 seq.frames += 1
                 seq.codec_embed = codec_embeds[i]
@@ -180,7 +184,8 @@ class TalkerStage:
         st = SamplingTensors.build(fb.params, fb.seeds, self.device)
         frame_index = torch.tensor(fb.frame_index, device=self.device)
         ignore_eos = torch.tensor([p.ignore_eos for p in fb.params], device=self.device)
-        return self.talker.head(hidden, st, frame_index, fb.seen, ignore_eos)
+        return self.penalties.update_seen(to_device(fb.slots, torch.long, self.device),
+                                          lambda seen: self.talker.head(hidden, st, frame_index, seen, ignore_eos))
 
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden."""
