@@ -99,21 +99,25 @@ if triton is not None:
         return x ^ (x >> 16)
 
     @triton.jit
-    def _race_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, out_ptr, vocab: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)
-        seed = tl.load(seeds_ptr + row)
+    def log_noise(seed, step, cols):
+        """log E of `layers.sampling.exponential_noise` for token ids `cols` (int64 `seed`, `step`)."""
         lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
         key = _fmix32(_fmix32(lo) ^ hi)
-        key = _fmix32(key + (tl.load(steps_ptr + row) & 0xFFFFFFFF).to(tl.uint32))
-        mix = _fmix32(key ^ 0x5BD1E995)
+        key = _fmix32(key + (step & 0xFFFFFFFF).to(tl.uint32))
+        h = _fmix32(_fmix32(key + cols.to(tl.uint32)) ^ _fmix32(key ^ 0x5BD1E995))
+        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+        return libdevice.log(-libdevice.log(u))
+
+    @triton.jit
+    def _race_argmax_kernel(x_ptr, seeds_ptr, steps_ptr, out_ptr, vocab: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        seed, step = tl.load(seeds_ptr + row), tl.load(steps_ptr + row)
         best, best_i = -float("inf"), 0
         for start in range(0, vocab, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             m = cols < vocab
-            h = _fmix32(_fmix32(key + cols.to(tl.uint32)) ^ mix)
-            u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
             score = tl.load(x_ptr + row.to(tl.int64) * vocab + cols, mask=m, other=-float("inf"))
-            score = tl.where(m, score - libdevice.log(-libdevice.log(u)), -float("inf"))
+            score = tl.where(m, score - log_noise(seed, step, cols), -float("inf"))
             v, i = tl.max(score, 0, return_indices=True, return_indices_tie_break_left=True)
             best_i = tl.where(v > best, start + i, best_i)
             best = tl.maximum(best, v)

@@ -30,7 +30,7 @@ def supports(logits: torch.Tensor) -> bool:
 if triton is not None:
     import triton.language as tl
 
-    from omnistage.layers.triton_ops import _fmix32, libdevice
+    from omnistage.layers.triton_ops import libdevice, log_noise
 
     @triton.jit
     def _order_key(x):
@@ -98,12 +98,7 @@ if triton is not None:
 
     @triton.jit
     def _race(x, cols, seed, step):
-        lo, hi = (seed & 0xFFFFFFFF).to(tl.uint32), ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
-        key = _fmix32(_fmix32(lo) ^ hi)
-        key = _fmix32(key + (step & 0xFFFFFFFF).to(tl.uint32))
-        h = _fmix32(_fmix32(key + cols.to(tl.uint32)) ^ _fmix32(key ^ 0x5BD1E995))
-        u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-        return tl.argmax(x - libdevice.log(-libdevice.log(u)), 0, tie_break_left=True)
+        return tl.argmax(x - log_noise(seed, step, cols), 0, tie_break_left=True)
 
     @triton.jit
     def _sample_kernel(x_ptr, x_stride, seen_ptr, seen_stride, counts_ptr, counts_stride, sup_ptr, sup_stride,
