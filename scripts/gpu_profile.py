@@ -6,6 +6,8 @@
 2. Code2wav chunk steps (graphs) at batch 1 / 16 / 64, first and later chunks, fused SnakeBeta on and off,
    cuDNN autotuning on; the top kernels of a later chunk at batch 16.
 3. Thinker prefill: N prompts of P tokens through `Omni.chat` with one output token (TTFT under load).
+4. `h2d`: host time of a small non_blocking host-to-device copy while the stream is busy, from pageable
+   and from page-locked memory (does the copy wait for the step in flight?).
 
 usage: python scripts/gpu_profile.py MODEL_DIR --out FILE [--load-format dummy]
 """
@@ -122,6 +124,23 @@ def profile_thinker(omni: Omni, b: int) -> dict:
     return out
 
 
+def h2d_report(dev: torch.device) -> dict:
+    x = torch.randn(8192, 8192, device=dev)
+    dst = torch.empty(64, dtype=torch.long, device=dev)
+    out = {}
+    for name, make in (("pageable", lambda: torch.arange(64)), ("pinned", lambda: torch.arange(64).pin_memory())):
+        times = []
+        for _ in range(5):
+            for _ in range(10):
+                x @ x  # ~0.2 s queued on the stream
+            start = time.perf_counter()
+            dst.copy_(make(), non_blocking=True)
+            times.append(time.perf_counter() - start)
+            sync(dev)
+        out[f"{name}_copy_ms"] = 1e3 * min(times)
+    return out
+
+
 def prefill_report(omni: Omni, n: int, tokens: int) -> dict:
     prompt = " ".join(["word"] * tokens)
     res = {}
@@ -148,7 +167,8 @@ def main() -> None:
     res["build_s"] = time.perf_counter() - start
     sizes = [int(s) for s in a.sizes.split(",")]
     parts = {"steps": lambda: step_report(omni, sizes), "code2wav": lambda: code2wav_report(omni, sizes),
-             "prefill": lambda: {f"n{n}": prefill_report(omni, n, 160) for n in (1, 64)}}
+             "prefill": lambda: {f"n{n}": prefill_report(omni, n, 160) for n in (1, 64)},
+             "h2d": lambda: h2d_report(omni.engine.thinker.device)}
     for name in a.parts.split(","):
         t = time.perf_counter()
         try:
