@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from omnistage.layers.context import ForwardContext, pinned
+from omnistage.layers.context import ForwardContext
 
 logger = logging.getLogger(__name__)
 # NOTE: one capture at a time in a process: entering `torch.cuda.graph` syncs the device and empties the
@@ -72,11 +72,9 @@ class StaticDecodeContext:
         table_rows = [list(t[:width]) + [pad] * (width - len(t)) for t in tables]
         table_rows += [[pad] * width] * (rows - n)
         # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
-        dev = self.slot_mapping.device
-        self.slot_mapping[:rows].copy_(pinned(torch.tensor(slots, dtype=torch.long), dev), non_blocking=True)
-        self.context_lens[:rows].copy_(pinned(torch.tensor(lens, dtype=torch.int32), dev), non_blocking=True)
-        self.block_tables[:rows, :width].copy_(pinned(torch.tensor(table_rows, dtype=torch.int32), dev),
-                                               non_blocking=True)
+        self.slot_mapping[:rows].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
+        self.context_lens[:rows].copy_(torch.tensor(lens, dtype=torch.int32), non_blocking=True)
+        self.block_tables[:rows, :width].copy_(torch.tensor(table_rows, dtype=torch.int32), non_blocking=True)
 
     def context(self, rows: int, width: int) -> ForwardContext:
         """The context of a `rows`-row step gathering `width` blocks per row (views of the static tensors)."""

@@ -81,16 +81,10 @@ def token_slots(block_tables: torch.Tensor, starts: torch.Tensor, lens: torch.Te
     return block_tables[seq, pos // block_size].long() * block_size + pos % block_size
 
 
-def pinned(t: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
-    """Host tensor `t`, page-locked when it is bound for a GPU.
-    NOTE: only a copy from page-locked memory is asynchronous: from pageable memory the driver may wait for
-    everything queued on the stream (a step in flight) before it copies."""
-    return t.pin_memory() if device is not None and torch.device(device).type == "cuda" else t
-
-
 def to_device(values: Sequence, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """Host values as a tensor on `device`, without waiting for the device's stream."""
-    return pinned(torch.tensor(values, dtype=dtype), device).to(device, non_blocking=True)
+    """Host values as a tensor on `device`, without waiting for the device's stream.
+    NOTE: a blocking host-to-device copy waits for everything queued on the stream (a step in flight)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class HostCopy:

@@ -5,10 +5,10 @@ batch bucket, so a prefill costs an eager talker forward, not ~10k eager kernels
 
 The graph is all of `Talker.step` for one row per request: talker forward over the paged KV cache,
 codebook-0 sampling, the code predictor's passes with sampling, the next codec embedding. Padding rows
-(past the live ones) have zero input at position 0, are greedy, use the `PenaltyTable`'s scratch row
-and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes
-its general path (the host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is
-still exactly its argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
+(past the live ones) have zero input at position 0, are greedy, use the `PenaltyTable`'s scratch row and
+write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path (the
+host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is still exactly its
+argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
-from omnistage.layers.context import forward_context, pinned
+from omnistage.layers.context import forward_context
 from omnistage.layers.sampling import SamplingTensors
 
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
@@ -132,11 +132,10 @@ class TalkerGraphRunner:
         ignore_eos = [p.ignore_eos for p in batch.params]
         ints = [col(batch.num_computed), col(batch.frame_index), *(getattr(st, f) for f in _INTS),
                 col(ignore_eos), torch.tensor(batch.slots + [self.penalties.scratch] * len(pad))]
-        dev = self.ints.device
-        self.ints[:, :b].copy_(pinned(torch.stack(ints), dev), non_blocking=True)
-        self.floats[:, :b].copy_(pinned(torch.stack([getattr(st, f) for f in _FLOATS]), dev), non_blocking=True)
+        self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
+        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
         deltas = [0.0 if m is None else m.delta for m in batch.mropes]
-        self.rope_delta[:b].copy_(pinned(torch.tensor(deltas + [0.0] * (b - len(deltas))), dev), non_blocking=True)
+        self.rope_delta[:b].copy_(torch.tensor(deltas + [0.0] * (b - len(deltas))), non_blocking=True)
         if rows is not None:
             rows_buf[:n].copy_(rows)
         rows_buf[n:b].zero_()

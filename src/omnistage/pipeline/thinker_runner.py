@@ -5,10 +5,9 @@ The graph is token ids -> embeddings -> thinker forward over the paged KV cache 
 -> the sampled tokens' embeddings (which the stage sends to the talker). Penalties gather each row's
 `seen` / `counts` from the stage's `PenaltyTable` by slot and record the sampled token there, in the
 graph. A row whose last token is still in flight (asynchronous output) takes it from the launched step
-on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the
-table's scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`).
-Sampling always takes its general path, as in `pipeline.talker_runner`: a greedy row is still its argmax,
-neutral truncation removes nothing.
+on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the table's
+scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path, as in
+`pipeline.talker_runner`: a greedy row is still its argmax, neutral truncation removes nothing.
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
-from omnistage.layers.context import forward_context, pinned, to_device
+from omnistage.layers.context import forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
@@ -90,11 +89,9 @@ class ThinkerGraphRunner:
         last = [0 if id(s) in in_flight else s.output_ids[-1] for s in seqs]
         ints = [col(last), col(computed), col([s.num_sampled for s in seqs]), *(getattr(st, f) for f in _INTS),
                 torch.tensor([s.slot for s in seqs] + [self.penalties.scratch] * len(pad))]
-        dev = self.ints.device
-        self.ints[:, :b].copy_(pinned(torch.stack(ints), dev), non_blocking=True)
-        self.floats[:, :b].copy_(pinned(torch.stack([getattr(st, f) for f in _FLOATS]), dev), non_blocking=True)
-        deltas = torch.tensor([s.rope_delta for s in seqs] + [0.0] * len(pad))
-        self.rope_delta[:b].copy_(pinned(deltas, dev), non_blocking=True)
+        self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
+        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        self.rope_delta[:b].copy_(torch.tensor([s.rope_delta for s in seqs] + [0.0] * len(pad)), non_blocking=True)
         rows = [i for i, s in enumerate(seqs) if id(s) in in_flight]
         if rows:
             src = to_device([in_flight[id(seqs[i])] for i in rows], torch.long, self.ints.device)

@@ -20,8 +20,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from omnistage.layers.context import pinned
-
 
 class MRope(NamedTuple):
     positions: torch.Tensor  # [3, L] float32, the prompt's positions
@@ -189,8 +187,7 @@ def flat_positions(spans: Sequence[tuple[int, int]], mropes: Sequence[MRope | No
     (`spans` (c_j, n_j)): `[T]` int64 when no request has 3-D positions, else `[3, T]` float32 (prompt
     rows from `positions`, later rows at i + delta on every axis, computed as transformers does)."""
     if all(m is None for m in mropes):
-        flat = torch.tensor([p for c, n in spans for p in range(c, c + n)])
-        return pinned(flat, device).to(device, non_blocking=True)
+        return torch.tensor([p for c, n in spans for p in range(c, c + n)]).to(device, non_blocking=True)
     cols = []
     for (c, n), m in zip(spans, mropes):
         length, delta = (0, 0.0) if m is None else (m.positions.shape[1], m.delta)
@@ -198,4 +195,4 @@ def flat_positions(spans: Sequence[tuple[int, int]], mropes: Sequence[MRope | No
         if c < length:
             cols.append(m.positions[:, c:c + n])
         cols.append(later.expand(3, -1))
-    return pinned(torch.cat(cols, dim=1), device).to(device, non_blocking=True)
+    return torch.cat(cols, dim=1).to(device, non_blocking=True)
