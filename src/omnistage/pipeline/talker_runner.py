@@ -5,10 +5,10 @@ batch bucket, so a prefill costs an eager talker forward, not ~10k eager kernels
 
 The graph is all of `Talker.step` for one row per request: talker forward over the paged KV cache,
 codebook-0 sampling, the code predictor's passes with sampling, the next codec embedding. Padding rows
-(past the live ones) have zero input at position 0, are greedy, use the `PenaltyTable`'s scratch row and
-write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path (the
-host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is still exactly its
-argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
+(past the live ones) have zero input at position 0, are greedy, use the `PenaltyTable`'s scratch row
+and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes
+its general path (the host flags `all_greedy` / `need_truncation` are fixed False / True): a greedy row is
+still exactly its argmax (`sample` picks per row), and truncation with neutral parameters removes nothing.
 """
 
 from __future__ import annotations

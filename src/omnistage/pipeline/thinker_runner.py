@@ -5,9 +5,10 @@ The graph is token ids -> embeddings -> thinker forward over the paged KV cache 
 -> the sampled tokens' embeddings (which the stage sends to the talker). Penalties gather each row's
 `seen` / `counts` from the stage's `PenaltyTable` by slot and record the sampled token there, in the
 graph. A row whose last token is still in flight (asynchronous output) takes it from the launched step
-on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the table's
-scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`). Sampling always takes its general path, as in
-`pipeline.talker_runner`: a greedy row is still its argmax, neutral truncation removes nothing.
+on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the
+table's scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`).
+Sampling always takes its general path, as in `pipeline.talker_runner`: a greedy row is still its argmax,
+neutral truncation removes nothing.
 """
 
 from __future__ import annotations

@@ -142,7 +142,8 @@ class ThinkerStage:
         if launched is not None:
             self._complete(launched)
 
-    def _forward(self, batch: list[tuple[ThinkerSeq, int]]) -> list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]:
+    def _forward(self, batch: list[tuple[ThinkerSeq, int]]
+                 ) -> list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]:
         """An eager step over any mix of decodes and prefill chunks; samples the rows that need a token."""
         if not batch:
             return []
