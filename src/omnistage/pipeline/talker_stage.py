@@ -24,13 +24,17 @@ from omnistage.models.qwen3_omni.talker_prompt import (
     prompt_mrope,
     text_rows,
 )
+from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
 
 
-class TalkerStage:
+class TalkerStage(AsyncOutputStep):
+    """`step` (see `AsyncOutputStep`): with asynchronous output a step's frames reach code2wav and end
+    requests one step later, and a request ended by codec_eos has one extra frame computed and dropped."""
+
     def __init__(self, talker: torch.nn.Module, config: Any, to_code2wav: Callable[[FrameChunk], None],
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False,
@@ -133,20 +137,6 @@ class TalkerStage:
             rows = torch.stack([s.codec_embed for s, _ in decodes]) + text_rows(self.talker, embeds, finals)
             batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
-
-    @torch.no_grad()
-    def step(self) -> bool:
-        """Launch this step; complete it at once, or (asynchronous output) complete the previous step while
-        this one runs on the device: its frames reach code2wav and end requests one step later, and a
-        request ended by codec_eos has one extra frame computed and dropped."""
-        batch = self._schedule()
-        self.last_batch = len(batch)
-        launched = self._launch(batch) if batch else None
-        if self.async_output:
-            launched, self.pending = self.pending, launched
-        if launched is not None:
-            self._complete(launched)
-        return bool(batch) or launched is not None
 
     def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched:
         # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.

@@ -106,9 +106,15 @@ class ThinkerGraphRunner:
         model = self.thinker.model
         with forward_context(self.context.context(b, w)):
             hidden, _ = model(model.embed_tokens(self.ints[0, :b]), self.ints[1, :b] + self.rope_delta[:b])
-        logits = self.thinker.compute_logits(hidden)
-        slots = self.ints[5, :b]
-        seen, counts = self.penalties.gather(slots)
-        tokens = sample(logits, st, self.ints[2, :b], seen=seen, counts=counts)
-        self.penalties.record(slots, tokens)
-        return tokens, model.embed_tokens(tokens)
+        return sample_tokens(self.thinker, self.penalties, self.thinker.compute_logits(hidden), st,
+                             self.ints[2, :b], self.ints[5, :b])
+
+
+def sample_tokens(thinker: torch.nn.Module, penalties: PenaltyTable, logits: torch.Tensor, st: SamplingTensors,
+                  steps: torch.Tensor, slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B], their embeddings [B, H]) sampled from `logits` [B, V] with each row's penalty state
+    (gathered by `slots`; the tokens are recorded there); `steps`: the rows' draw counters."""
+    seen, counts = penalties.gather(slots)
+    tokens = sample(logits, st, steps, seen=seen, counts=counts)
+    penalties.record(slots, tokens)
+    return tokens, thinker.model.embed_tokens(tokens)

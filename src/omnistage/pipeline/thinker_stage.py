@@ -15,17 +15,21 @@ from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context, to_device
-from omnistage.layers.sampling import SamplingTensors, sample
+from omnistage.layers.sampling import SamplingTensors
 from omnistage.outputs import OutputDelta
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, flat_positions
+from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.thinker_inputs import Media, encode_media, encode_together, new_seq, step_deepstack
 from omnistage.pipeline.faults import StepFaults
-from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
+from omnistage.pipeline.thinker_runner import ThinkerGraphRunner, sample_tokens
 from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
 
-class ThinkerStage:
+class ThinkerStage(AsyncOutputStep):
+    """`step` (see `AsyncOutputStep`): with asynchronous output a request's next decode row takes its last
+    token on the device, and a request that ends on a token has one more token computed and dropped."""
+
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
@@ -107,22 +111,8 @@ class ThinkerStage:
             budget -= n
         return batch
 
-    @torch.no_grad()
-    def step(self) -> bool:
-        """Launch this step; complete it at once, or (asynchronous output) complete the previous step while
-        this one runs on the device: a request's next decode row then takes its last token on the device,
-        and a request that ends on a token has one more token computed and dropped."""
-        batch = self._schedule()
-        self.last_batch = len(batch)
-        self.step_requests = [s.req for s, _ in batch]
-        launched = self._launch(batch) if batch else None
-        if self.async_output:
-            launched, self.pending = self.pending, launched
-        if launched is not None:
-            self._complete(launched)
-        return bool(batch) or launched is not None
-
     def _launch(self, batch: list[tuple[ThinkerSeq, int]]) -> Launched | None:
+        self.step_requests = [s.req for s, _ in batch]
         seqs = [s for s, _ in batch if not s.in_prefill]
         prefills = [(s, n) for s, n in batch if s.in_prefill]
         tables = [self.blocks.tables[s.req.request_id] for s in seqs]
@@ -136,11 +126,6 @@ class ThinkerStage:
             seq.num_computed += 1
             seq.num_sampled += 1
         return Launched.of([(seqs, *out), *self._forward(prefills)])
-
-    def _drain(self) -> None:
-        launched, self.pending = self.pending, None
-        if launched is not None:
-            self._complete(launched)
 
     def _forward(self, batch: list[tuple[ThinkerSeq, int]]
                  ) -> list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]:
@@ -175,14 +160,12 @@ class ThinkerStage:
         seqs = [s for s, _ in samplers]
         logits = self.thinker.compute_logits(hidden[to_device([i for _, i in samplers], torch.long, self.device)])
         st = SamplingTensors.build([s.req.sampling for s in seqs], [s.req.seed for s in seqs], self.device)
-        slots = to_device([s.slot for s in seqs], torch.long, self.device)
-        seen, counts = self.penalties.gather(slots)
-        tokens = sample(logits, st, to_device([s.num_sampled for s in seqs], torch.long, self.device),
-                        seen=seen, counts=counts)
-        self.penalties.record(slots, tokens)
+        tokens, embeds = sample_tokens(self.thinker, self.penalties, logits, st,
+                                       to_device([s.num_sampled for s in seqs], torch.long, self.device),
+                                       to_device([s.slot for s in seqs], torch.long, self.device))
         for seq in seqs:
             seq.num_sampled += 1
-        return seqs, tokens, self.thinker.model.embed_tokens(tokens)
+        return seqs, tokens, embeds
 
     def _complete(self, launched: Launched) -> None:
         # NOTE: the one host sync of the step; it also makes the embeddings ready for the talker's stream.
