@@ -45,9 +45,10 @@ if triton is not None:
                               stride_t, stride_h, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (token, head); heads < split: weight w, output out; the others w2, out2
         tok, head = row // heads, row % heads
-        first = head < split
         cols = tl.arange(0, BLOCK)
         m = cols < half
+        # NOTE: `first` as a block, not a scalar: Triton 3.9's interpreter takes only block masks
+        first = (cols * 0 + head) < split
         dt = out_ptr.dtype.element_ty
         src = tok.to(tl.int64) * stride_t + head * stride_h
         lo = tl.load(x_ptr + src + cols, mask=m, other=0.0).to(tl.float32)
