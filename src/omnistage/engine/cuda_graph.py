@@ -93,9 +93,11 @@ class ReplayTimer:
     def __init__(self) -> None:
         self.gpu_seconds, self.replays = 0.0, 0
         self._pending: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()
+        self._free: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # read pairs, reused
 
     def replay(self, graph: torch.cuda.CUDAGraph) -> None:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start, end = self._free.pop() if self._free else (torch.cuda.Event(enable_timing=True),
+                                                          torch.cuda.Event(enable_timing=True))
         start.record()
         graph.replay()
         end.record()
@@ -107,6 +109,7 @@ class ReplayTimer:
             start, end = self._pending.popleft()
             self.gpu_seconds += start.elapsed_time(end) / 1e3
             self.replays += 1
+            self._free.append((start, end))
 
 
 class CUDAGraphs:

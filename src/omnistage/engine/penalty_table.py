@@ -19,9 +19,10 @@ T = TypeVar("T")
 
 
 class PenaltyTable:
-    def __init__(self, rows: int, vocab: int, device: torch.device | str) -> None:
+    def __init__(self, rows: int, vocab: int, device: torch.device | str, counts: bool = True) -> None:
+        """`counts`: keep output counts too (presence / frequency penalties); else `seen` only."""
         self.seen = torch.zeros(rows + 1, vocab, dtype=torch.bool, device=device)
-        self.counts = torch.zeros(rows + 1, vocab, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(rows + 1, vocab, dtype=torch.int32, device=device) if counts else None
         self.scratch = rows
         self._free = list(range(rows - 1, -1, -1))
 
@@ -32,10 +33,11 @@ class PenaltyTable:
     def acquire(self, prompt_ids: torch.Tensor | None = None) -> int:
         """A cleared row, with the prompt's ids marked seen."""
         if not self._free:
-            raise RuntimeError("no free penalty row: more running requests than the stage's max_batch_size")
+            raise RuntimeError("no free penalty row: more requests hold one than the table has rows")
         slot = self._free.pop()
         self.seen[slot].zero_()
-        self.counts[slot].zero_()
+        if self.counts is not None:
+            self.counts[slot].zero_()
         if prompt_ids is not None:
             self.seen[slot, prompt_ids] = True
         return slot

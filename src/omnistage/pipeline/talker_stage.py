@@ -52,7 +52,7 @@ class TalkerStage(AsyncOutputStep):
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
-        self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device)
+        self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
         self.runner: TalkerGraphRunner | None = None
         if cuda_graph:
             scratch = self.blocks.reserve()
