@@ -5,6 +5,9 @@ difference from it is the order of the sum of squares.
 - `rms_norm(x, w, eps, cos, sin)`: RMSNorm over the last dim, then (with cos/sin) rotate-half RoPE;
   `rms_norm_qk` does a layer's q and k norms + RoPE in one kernel, reading (strided) rows of the fused
   qkv GEMM output in place.
+- `add_rms_norm(x, residual, w, eps)`: a residual add (rounded to the dtype, as eager) and the RMSNorm after it in
+  one kernel (vLLM's fused_add_rms_norm, out of place): the decoder carries its residual stream separately so
+  every norm after the first is fused with the add before it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,11 @@ from omnistage.layers import triton_ops
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
+
+    @triton.jit
+    def _normed(v, r, w, dt):
+        """`w * (v * r).to(dt)` rounded as eager rounds it (each op rounds to dt), back in fp32."""
+        return (w * (v * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, out2_ptr, half, heads, split,
@@ -34,8 +42,7 @@ if triton_ops.triton is not None:
         w, w2 = w_ptr + cols, w2_ptr + cols
         w_lo = tl.where(first, tl.load(w, mask=m), tl.load(w2, mask=m)).to(tl.float32)
         w_hi = tl.where(first, tl.load(w + half, mask=m), tl.load(w2 + half, mask=m)).to(tl.float32)
-        y_lo = (w_lo * (lo * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y_hi = (w_hi * (hi * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        y_lo, y_hi = _normed(lo, r, w_lo, dt), _normed(hi, r, w_hi, dt)
         if ROPE:
             t = tok.to(tl.int64) * half
             c = tl.load(cos_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
@@ -50,6 +57,22 @@ if triton_ops.triton is not None:
         tl.store(out_ptr + dst + half + cols, y_hi.to(dt), mask=m & first)
         tl.store(out2_ptr + dst2 + cols, y_lo.to(dt), mask=m & ~first)
         tl.store(out2_ptr + dst2 + half + cols, y_hi.to(dt), mask=m & ~first)
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, stride_x, stride_r, eps,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        res = tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+        h = (res + x).to(dt)
+        tl.store(sum_ptr + row * n + cols, h, mask=m)
+        h = h.to(tl.float32)
+        r = libdevice.rsqrt(tl.sum(h * h, 0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=m).to(tl.float32)
+        tl.store(out_ptr + row * n + cols, _normed(h, r, w, dt).to(dt), mask=m)
 
 
 def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, eps: float,
@@ -83,3 +106,16 @@ def rms_norm_qk(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor
     """q and k heads of `qk [T, Hq + Hk, D]` (e.g. a slice of a fused qkv GEMM output, no copy) normed with
     their own weights, then RoPE, in one launch -> contiguous (q [T, Hq, D], k [T, Hk, D])."""
     return _norm_rows(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(residual + x), residual + x) over the last dim in one launch; `x` and `residual` have one shape
+    (rows may be strided). Returns contiguous tensors."""
+    n = x.shape[-1]
+    x2, r2 = (t.reshape(-1, n) for t in (x, residual))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
+    out, total = x2.new_empty(x2.shape), x2.new_empty(x2.shape)
+    _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, n, x2.stride(0), r2.stride(0), eps,
+                                         BLOCK=triton.next_power_of_2(n))
+    return out.view(x.shape), total.view(x.shape)

@@ -22,7 +22,7 @@ from omnistage.layers.attention import Attention
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
-from omnistage.layers.norm import RMSNorm, rms_norm_qk
+from omnistage.layers.norm import RMSNorm, add_rms_norm, rms_norm_qk
 from omnistage.layers.rotary import RotaryEmbedding
 
 
@@ -135,9 +135,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM-style: `h` is the previous layer's MLP output, `residual` the stream it is added to (None: `h` is
+        the stream) -> (this MLP's output, the stream before it); each add is fused with the norm after it."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = add_rms_norm(h, residual, norm1.weight, norm1.eps)
+        h, residual = add_rms_norm(self.self_attn(h, cos, sin), residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -158,15 +163,17 @@ class DecoderModel(nn.Module):
         layer i-1 (before any DeepStack addition), num_layers = the final normed hidden (transformers
         puts the normed state last)."""
         cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
-        h = inputs_embeds
+        h, residual = inputs_embeds, None
         captured = h if capture_layer == 0 else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin)
-            if capture_layer == i + 1:
-                captured = h
-            if deepstack is not None and i < len(deepstack.embeds):
+            h, residual = layer(h, residual, cos, sin)
+            adds_deepstack = deepstack is not None and i < len(deepstack.embeds)
+            if capture_layer == i + 1 or adds_deepstack:
+                h, residual = residual + h, None  # NOTE: the layer's output, added as before where it is read
+                captured = h if capture_layer == i + 1 else captured
+            if adds_deepstack:
                 h = h.index_add(0, deepstack.index, deepstack.embeds[i].to(h.dtype))
-        h = self.norm(h)
+        h, _ = add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         return h, (h if capture_layer == len(self.layers) else captured)
 
 
