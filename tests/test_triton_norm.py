@@ -9,6 +9,7 @@ from conftest import KERNEL_DEVICE as DEV
 
 from omnistage.layers import norm, triton_norm, triton_ops
 from omnistage.layers.norm import rms_norm_reference
+from omnistage.layers.rotary import apply_rotary_emb
 
 pytestmark = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
 
@@ -64,3 +65,26 @@ def test_add_rms_norm_path_choice(monkeypatch) -> None:
     assert torch.equal(eager, rms_norm_reference(residual + x, w[0], 1e-6)) and torch.equal(eager_sum, residual + x)
     assert torch.equal(fused_sum, eager_sum)
     torch.testing.assert_close(fused, eager, rtol=1e-2 if EXACT else 2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("rows,n_pos", [(5, 1), (4, 2)])
+def test_rms_norm_qk_reads_shared_rope_tables_in_place(rows: int, n_pos: int, monkeypatch) -> None:
+    """The code predictor's tables: one position's row for every token (stride 0), or the prefill's rows."""
+    g = torch.Generator(DEV).manual_seed(rows)
+    heads, kv_heads, d = 4, 2, 32
+    qk = torch.randn(rows * n_pos, heads + 2 * kv_heads, d, device=DEV, generator=g).to(DTYPE)[:, :heads + kv_heads]
+    qw, kw = ((1 + 0.2 * torch.randn(d, device=DEV, generator=g)).to(DTYPE) for _ in range(2))
+    table = torch.randn(2, 16, d // 2, device=DEV, generator=g).to(DTYPE)
+    if n_pos == 1:
+        cos, sin = table[0, 7].expand(rows, -1), table[1, 7].expand(rows, -1)
+    else:
+        cos, sin = table[:, 3:5].repeat(1, rows, 1)
+    launched = spy_launches(monkeypatch, "_rms_norm_rope_kernel")
+    q, k = triton_norm.rms_norm_qk(qk, qw, kw, heads, 1e-6, cos, sin)
+    assert [t.data_ptr() for t in launched[0][3:5]] == [cos.data_ptr(), sin.data_ptr()]  # no copy
+    want = triton_norm.rms_norm_qk(qk, qw, kw, heads, 1e-6, cos.contiguous(), sin.contiguous())
+    assert torch.equal(q, want[0]) and torch.equal(k, want[1])
+    for out, part, weight in ((q, qk[:, :heads], qw), (k, qk[:, heads:], kw)):
+        ref = apply_rotary_emb(rms_norm_reference(part, weight, 1e-6), cos, sin)
+        assert float((out.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * (
+            2 ** -7 if EXACT else 1e-6)

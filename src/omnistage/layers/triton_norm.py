@@ -4,7 +4,7 @@ They round where the eager chain (`norm.rms_norm_reference`, `rotary.apply_rotar
 difference from it is the order of the sum of squares.
 - `rms_norm(x, w, eps, cos, sin)`: RMSNorm over the last dim, then (with cos/sin) rotate-half RoPE;
   `rms_norm_qk` does a layer's q and k norms + RoPE in one kernel, reading (strided) rows of the fused
-  qkv GEMM output in place.
+  qkv GEMM output in place; cos/sin rows may be strided (stride 0: one position's table for every token).
 - `add_rms_norm(x, residual, w, eps)`: a residual add (rounded to the dtype, as eager) and the RMSNorm after it in
   one kernel (vLLM's fused_add_rms_norm, out of place): the decoder carries its residual stream separately so
   every norm after the first is fused with the add before it.
@@ -26,7 +26,7 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, out2_ptr, half, heads, split,
-                              stride_t, stride_h, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+                              stride_t, stride_h, stride_cs, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (token, head); heads < split: weight w, output out; the others w2, out2
         tok, head = row // heads, row % heads
         cols = tl.arange(0, BLOCK)
@@ -44,7 +44,7 @@ if triton_ops.triton is not None:
         w_hi = tl.where(first, tl.load(w + half, mask=m), tl.load(w2 + half, mask=m)).to(tl.float32)
         y_lo, y_hi = _normed(lo, r, w_lo, dt), _normed(hi, r, w_hi, dt)
         if ROPE:
-            t = tok.to(tl.int64) * half
+            t = tok.to(tl.int64) * stride_cs
             c = tl.load(cos_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
             a, b = (y_lo * c).to(dt).to(tl.float32), (y_hi * s).to(dt).to(tl.float32)
@@ -85,18 +85,19 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, spl
     out = x.new_empty(t, split, d)
     out2 = x.new_empty(t, heads - split, d) if heads > split else out
     rope = cos is not None
-    if rope:
-        cos, sin = cos.contiguous(), sin.contiguous()  # NOTE: no copy for `RotaryEmbedding`'s tables
+    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     _rms_norm_rope_kernel[(t * heads,)](
         x, weight, weight2, cos if rope else x, sin if rope else x, out, out2, d // 2, heads, split,
-        x.stride(0), x.stride(1), eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
+        x.stride(0), x.stride(1), cos.stride(0) if rope else 0, eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
     return out, out2
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
              sin: torch.Tensor | None = None) -> torch.Tensor:
     """Fused RMSNorm over the last dim of `x` (rows may be strided); with `cos/sin [T, D/2]` and
-    `x [T, heads, D]` also rotate-half RoPE. Returns a contiguous tensor."""
+    `x [T, heads, D]` also rotate-half RoPE (cos/sin rows may be strided too, e.g. one position's row expanded
+    over all tokens: stride 0). Returns a contiguous tensor."""
     x3 = x if cos is not None else x.reshape(-1, 1, x.shape[-1])
     return _norm_rows(x3, weight, weight, x3.shape[1], eps, cos, sin)[0].view(x.shape)
 

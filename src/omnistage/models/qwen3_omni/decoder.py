@@ -155,14 +155,16 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture_layer: int | None = None,
-                deepstack: Deepstack | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None, capture_layer: int | None = None,
+                deepstack: Deepstack | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flat `inputs_embeds [T, H]`, `positions [T]` or `[3, T]` -> (final hidden after `norm`, captured).
 
         `captured` is transformers' `hidden_states[capture_layer]`: 0 = the inputs, i = the output of
         layer i-1 (before any DeepStack addition), num_layers = the final normed hidden (transformers
-        puts the normed state last)."""
-        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
+        puts the normed state last). `rope`: the tokens' (cos, sin) `[T, head_dim // 2]` from `rotary_emb`,
+        computed once by the caller (then `positions` is not read)."""
+        cos, sin = rope if rope is not None else self.rotary_emb(positions, inputs_embeds.dtype)
         h, residual = inputs_embeds, None
         captured = h if capture_layer == 0 else None
         for i, layer in enumerate(self.layers):
