@@ -1,5 +1,5 @@
 """Merged projections (one GEMM for q/k/v and for gate/up, `decoder.fuse_projections`) and the kernels that
-read their outputs in place (`triton_ops.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in
+read their outputs in place (`triton_norm.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in
 Triton's interpreter on the CPU (conftest); fp32 there, bf16 with exactness checks on the GPU."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from conftest import KERNEL_DEVICE as DEV
 from conftest import hf_reference, hf_stage_state
 from transformers import Qwen3OmniMoeConfig
 
-from omnistage.layers import triton_activation, triton_ops
+from omnistage.layers import triton_activation, triton_norm, triton_ops
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.mlp import SwiGLUMLP
@@ -61,19 +61,19 @@ def test_rms_norm_qk_reads_the_fused_output_in_place(heads: int, kv_heads: int, 
     qkv = F.linear(torch.randn(t, h, device=DEV, generator=g).to(DTYPE), w).view(t, -1, d)
     qw, kw = ((1 + 0.2 * torch.randn(d, device=DEV, generator=g)).to(DTYPE) for _ in range(2))
     cos, sin = RotaryEmbedding(d, 1e6).to(DEV)(torch.arange(40, 40 + t, device=DEV), DTYPE)
-    launched = _spy_kernel(monkeypatch, triton_ops, "_rms_norm_rope_kernel")
-    q, k = triton_ops.rms_norm_qk(qkv[:, :heads + kv_heads], qw, kw, heads, 1e-6, cos, sin)
+    launched = _spy_kernel(monkeypatch, triton_norm, "_rms_norm_rope_kernel")
+    q, k = triton_norm.rms_norm_qk(qkv[:, :heads + kv_heads], qw, kw, heads, 1e-6, cos, sin)
     assert launched == [qkv.data_ptr()]  # one launch, on the GEMM output itself (no copy)
     # strided rows give the bits the one-weight kernel gives on contiguous copies (same arithmetic per row)
-    assert torch.equal(q, triton_ops.rms_norm(qkv[:, :heads].contiguous(), qw, 1e-6, cos, sin))
+    assert torch.equal(q, triton_norm.rms_norm(qkv[:, :heads].contiguous(), qw, 1e-6, cos, sin))
     k_rows = qkv[:, heads:heads + kv_heads]
-    assert torch.equal(k, triton_ops.rms_norm(k_rows.contiguous(), kw, 1e-6, cos, sin))
+    assert torch.equal(k, triton_norm.rms_norm(k_rows.contiguous(), kw, 1e-6, cos, sin))
     for out, part, weight in ((q, qkv[:, :heads], qw), (k, k_rows, kw)):
         ref = apply_rotary_emb(rms_norm_reference(part, weight, 1e-6), cos, sin)
         assert rel(out, ref) <= (2 ** -7 if EXACT else 1e-6)
     hidden, hw = qkv.flatten(1)[:, 8:8 + h], (1 + 0.2 * torch.randn(h, device=DEV, generator=g)).to(DTYPE)
-    assert torch.equal(triton_ops.rms_norm(hidden, hw, 1e-6),
-                       triton_ops.rms_norm(hidden.contiguous(), hw, 1e-6))
+    assert torch.equal(triton_norm.rms_norm(hidden, hw, 1e-6),
+                       triton_norm.rms_norm(hidden.contiguous(), hw, 1e-6))
     assert launched[3] == hidden.data_ptr()
 
 

@@ -4,9 +4,7 @@ Each kernel replaces a chain of eager ops and rounds exactly where the eager cha
 of torch computes in fp32 and rounds its result), so the only difference from the reference is the
 order of the RMSNorm sum. The talker's frame step (15 code-predictor passes of 5 layers) is bound by
 kernel launches, not bytes: with these kernels it went from 21.1 to 11.7 ms at batch 1 (BENCHMARKS.md).
-- `rms_norm(x, w, eps, cos, sin)`: RMSNorm over the last dim, then (with cos/sin) rotate-half RoPE;
-  `rms_norm_qk` does a layer's q and k norms + RoPE in one kernel, reading (strided) rows of the fused
-  qkv GEMM output in place.
+- RMSNorm kernels (+ RoPE for the q/k norms): `layers.triton_norm`.
 - `snake_beta(x, alpha, beta)`: code2wav's SnakeBeta, one pass instead of five over the largest tensors.
 - `race_argmax(scores, seeds, steps)`: a sampled draw (`layers.sampling`: hash noise, exponential race,
   argmax) in one kernel per row instead of the integer kernels over [B, vocab] (the talker's step: 4 762 ->
@@ -40,41 +38,6 @@ def fast_path(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _rms_norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, out2_ptr, half, heads, split,
-                              stride_t, stride_h, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0)  # (token, head); heads < split: weight w, output out; the others w2, out2
-        tok, head = row // heads, row % heads
-        cols = tl.arange(0, BLOCK)
-        m = cols < half
-        # NOTE: `first` as a block, not a scalar: Triton 3.9's interpreter takes only block masks
-        first = (cols * 0 + head) < split
-        dt = out_ptr.dtype.element_ty
-        src = tok.to(tl.int64) * stride_t + head * stride_h
-        lo = tl.load(x_ptr + src + cols, mask=m, other=0.0).to(tl.float32)
-        hi = tl.load(x_ptr + src + half + cols, mask=m, other=0.0).to(tl.float32)
-        var = (tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / (2 * half)
-        r = libdevice.rsqrt(var + eps)
-        w, w2 = w_ptr + cols, w2_ptr + cols
-        w_lo = tl.where(first, tl.load(w, mask=m), tl.load(w2, mask=m)).to(tl.float32)
-        w_hi = tl.where(first, tl.load(w + half, mask=m), tl.load(w2 + half, mask=m)).to(tl.float32)
-        y_lo = (w_lo * (lo * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        y_hi = (w_hi * (hi * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        if ROPE:
-            t = tok.to(tl.int64) * half
-            c = tl.load(cos_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
-            a, b = (y_lo * c).to(dt).to(tl.float32), (y_hi * s).to(dt).to(tl.float32)
-            d, e = (y_hi * c).to(dt).to(tl.float32), (y_lo * s).to(dt).to(tl.float32)
-            y_lo, y_hi = a - b, d + e
-        # NOTE: both stores are masked by `first`; the clamped head keeps the masked-off address in bounds.
-        dst = (tok.to(tl.int64) * split + tl.minimum(head, split - 1)) * 2 * half
-        dst2 = (tok.to(tl.int64) * (heads - split) + tl.maximum(head - split, 0)) * 2 * half
-        tl.store(out_ptr + dst + cols, y_lo.to(dt), mask=m & first)
-        tl.store(out_ptr + dst + half + cols, y_hi.to(dt), mask=m & first)
-        tl.store(out2_ptr + dst2 + cols, y_lo.to(dt), mask=m & ~first)
-        tl.store(out2_ptr + dst2 + half + cols, y_hi.to(dt), mask=m & ~first)
-
     @triton.jit
     def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, length, channels, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (batch, channel)
@@ -123,39 +86,6 @@ if triton is not None:
             best_i = tl.where(v > best, start + i, best_i)
             best = tl.maximum(best, v)
         tl.store(out_ptr + row, best_i.to(tl.int64))
-
-
-def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, eps: float,
-               cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One launch over the rows of `x [T, heads, D]`: heads < split -> (weight, first output [T, split, D]),
-    the others -> (weight2, second output [T, heads - split, D]). Rows are read through x's strides."""
-    t, heads, d = x.shape
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    out = x.new_empty(t, split, d)
-    out2 = x.new_empty(t, heads - split, d) if heads > split else out
-    rope = cos is not None
-    if rope:
-        cos, sin = cos.contiguous(), sin.contiguous()  # NOTE: no copy for `RotaryEmbedding`'s tables
-    _rms_norm_rope_kernel[(t * heads,)](
-        x, weight, weight2, cos if rope else x, sin if rope else x, out, out2, d // 2, heads, split,
-        x.stride(0), x.stride(1), eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
-    return out, out2
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tensor | None = None,
-             sin: torch.Tensor | None = None) -> torch.Tensor:
-    """Fused RMSNorm over the last dim of `x` (rows may be strided); with `cos/sin [T, D/2]` and
-    `x [T, heads, D]` also rotate-half RoPE. Returns a contiguous tensor."""
-    x3 = x if cos is not None else x.reshape(-1, 1, x.shape[-1])
-    return _norm_rows(x3, weight, weight, x3.shape[1], eps, cos, sin)[0].view(x.shape)
-
-
-def rms_norm_qk(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,
-                eps: float, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q and k heads of `qk [T, Hq + Hk, D]` (e.g. a slice of a fused qkv GEMM output, no copy) normed with
-    their own weights, then RoPE, in one launch -> contiguous (q [T, Hq, D], k [T, Hk, D])."""
-    return _norm_rows(qk, q_weight, k_weight, num_q_heads, eps, cos, sin)
 
 
 def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,8 @@ A dense Qwen3 decoder run G-1 times per frame: a 2-position prefill [talker hidd
 All rows of a batch are at the same position in lockstep and the context is <= G positions, so the
 attention reads a preallocated per-row cache [rows, G, KV, D] (no paged-cache metadata): every pass has
 fixed shapes and the whole `predict` loop is one CUDA-graph candidate (no host syncs). Each frame
-overwrites the cache from position 0, and a pass only reads positions it wrote this frame.
+overwrites the cache from position 0, and a pass only reads positions it wrote this frame. For the same
+reason the RoPE tables of positions 0..G-1 are computed once (`allocate_cache`): a pass reads views of them.
 """
 
 from __future__ import annotations
@@ -93,13 +94,23 @@ class CodePredictor(nn.Module):
         cache = torch.zeros(shape, dtype=w.dtype, device=w.device)
         for i, layer in enumerate(self.model.layers):
             layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache = cache[i, 0], cache[i, 1]
+        cos, sin = self.model.rotary_emb(torch.arange(self.num_code_groups, device=w.device), w.dtype)
+        self._rope = (cos, sin)
+        self._prefill_rope = (cos[:2].repeat(max_rows, 1), sin[:2].repeat(max_rows, 1))  # rows [pos 0, pos 1]
+
+    def _rope_rows(self, pos: int, n: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[rows * n, D/2]` of positions pos..pos+n-1 in every row, as views of the tables."""
+        if n == 1:
+            return self._rope[0][pos].expand(rows, -1), self._rope[1][pos].expand(rows, -1)
+        if (pos, n) != (0, 2):
+            raise ValueError(f"a pass of {n} positions from {pos}: only the 2-position prefill has tables")
+        return self._prefill_rope[0][:rows * n], self._prefill_rope[1][:rows * n]
 
     def _pass(self, embeds: torch.Tensor, pos: int, rows: int) -> torch.Tensor:
         """One forward of `embeds [rows * n, H]` at positions pos..pos+n-1; the last hidden per row."""
         n = embeds.shape[0] // rows
         self._step.pos, self._step.rows = pos, rows
-        positions = torch.arange(pos, pos + n, device=embeds.device).repeat(rows)
-        hidden, _ = self.model(embeds, positions)
+        hidden, _ = self.model(embeds, None, rope=self._rope_rows(pos, n, rows))
         return hidden.view(rows, n, -1)[:, -1]
 
     def predict(self, past_hidden: torch.Tensor, c0_embed: torch.Tensor, st: SamplingTensors,

@@ -22,7 +22,7 @@ from omnistage.layers.attention import Attention
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
-from omnistage.layers.norm import RMSNorm, rms_norm_qk
+from omnistage.layers.norm import RMSNorm, add_rms_norm, rms_norm_qk
 from omnistage.layers.rotary import RotaryEmbedding
 
 
@@ -135,9 +135,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """vLLM-style: `h` is the previous layer's MLP output, `residual` the stream it is added to (None: `h` is
+        the stream) -> (this MLP's output, the stream before it); each add is fused with the norm after it."""
+        norm1, norm2 = self.input_layernorm, self.post_attention_layernorm
+        h, residual = add_rms_norm(h, residual, norm1.weight, norm1.eps)
+        h, residual = add_rms_norm(self.self_attn(h, cos, sin), residual, norm2.weight, norm2.eps)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -150,23 +155,27 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.mrope_section)
 
-    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor, capture_layer: int | None = None,
-                deepstack: Deepstack | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(self, inputs_embeds: torch.Tensor, positions: torch.Tensor | None, capture_layer: int | None = None,
+                deepstack: Deepstack | None = None, rope: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Flat `inputs_embeds [T, H]`, `positions [T]` or `[3, T]` -> (final hidden after `norm`, captured).
 
         `captured` is transformers' `hidden_states[capture_layer]`: 0 = the inputs, i = the output of
         layer i-1 (before any DeepStack addition), num_layers = the final normed hidden (transformers
-        puts the normed state last)."""
-        cos, sin = self.rotary_emb(positions, inputs_embeds.dtype)
-        h = inputs_embeds
+        puts the normed state last). `rope`: the tokens' (cos, sin) `[T, head_dim // 2]` from `rotary_emb`,
+        computed once by the caller (then `positions` is not read)."""
+        cos, sin = rope if rope is not None else self.rotary_emb(positions, inputs_embeds.dtype)
+        h, residual = inputs_embeds, None
         captured = h if capture_layer == 0 else None
         for i, layer in enumerate(self.layers):
-            h = layer(h, cos, sin)
-            if capture_layer == i + 1:
-                captured = h
-            if deepstack is not None and i < len(deepstack.embeds):
+            h, residual = layer(h, residual, cos, sin)
+            adds_deepstack = deepstack is not None and i < len(deepstack.embeds)
+            if capture_layer == i + 1 or adds_deepstack:
+                h, residual = residual + h, None  # NOTE: the layer's output, added as before where it is read
+                captured = h if capture_layer == i + 1 else captured
+            if adds_deepstack:
                 h = h.index_add(0, deepstack.index, deepstack.embeds[i].to(h.dtype))
-        h = self.norm(h)
+        h, _ = add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         return h, (h if capture_layer == len(self.layers) else captured)
 
 

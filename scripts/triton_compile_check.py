@@ -1,0 +1,115 @@
+"""Compiles every Triton kernel of `omnistage.layers.triton_*` for a CUDA target without a GPU (PTX, then cubin through
+Triton's bundled ptxas): the modules' wrappers run on CPU tensors at the real model's shapes under a stand-in driver,
+and each launch compiles instead of running, so the specialisations checked (dtypes, strides such as the code
+predictor's stride-0 RoPE rows, constexprs) are the ones the wrappers launch. Exits 1 when a `*_kernel` of those
+modules is launched by no example below or fails to compile.
+
+usage: python scripts/triton_compile_check.py [--arch 90]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import pkgutil
+import sys
+from collections.abc import Callable
+from types import SimpleNamespace
+
+os.environ.pop("TRITON_INTERPRET", None)  # NOTE: before Triton loads: real kernels, not the interpreter
+
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+import omnistage.layers
+from omnistage.layers.sampling import SamplingTensors
+
+BF16 = torch.bfloat16
+
+
+class StandInDriver:
+    """What `JITFunction.run` asks the driver for before it compiles: a device, a stream, the target."""
+
+    def __init__(self, arch: int) -> None:
+        self.target = GPUTarget("cuda", arch, 32)
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device: int | None = None) -> int:
+        return 0
+
+    def get_current_target(self) -> GPUTarget:
+        return self.target
+
+
+def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
+    """One call per launch shape worth checking (m: the triton_* modules by short name)."""
+    norm, ops, act, moe, smp = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling"))
+    x, w = torch.randn(16, 1024, dtype=BF16), torch.ones(1024, dtype=BF16)
+    qkv = torch.randn(16, 32, 128, dtype=BF16)  # code predictor: 16 q + 8 k + 8 v heads of one GEMM
+    qw, table = torch.ones(128, dtype=BF16), torch.randn(16, 64, dtype=BF16)
+    logits = torch.randn(8, 3072)
+    sampled = SamplingTensors.build([SimpleNamespace(temperature=0.9, top_k=50, top_p=0.8)] * 8, range(8))
+    greedy = SamplingTensors.build([SimpleNamespace(temperature=0.0)] * 8, range(8))
+    steps, seen = torch.zeros(8, dtype=torch.long), torch.zeros(8, 3072, dtype=torch.bool)
+    ids = torch.randint(0, 128, (16, 8))
+    return [
+        ("rms_norm", lambda: norm.rms_norm(x, w, 1e-6)),
+        ("rms_norm_qk, strided cos", lambda: norm.rms_norm_qk(qkv[:, :24], qw, qw, 16, 1e-6, table[:16], table[:16])),
+        ("rms_norm_qk, stride-0 cos", lambda: norm.rms_norm_qk(qkv[:, :24], qw, qw, 16, 1e-6, table[3].expand(16, -1),
+                                                              table[4].expand(16, -1))),
+        ("add_rms_norm 1024", lambda: norm.add_rms_norm(x, x, w, 1e-6)),
+        ("add_rms_norm 2048", lambda: norm.add_rms_norm(x.view(8, 2048), x.view(8, 2048), w.repeat(2), 1e-6)),
+        ("silu_mul", lambda: act.silu_mul(torch.randn(16, 2 * 3072, dtype=BF16))),
+        ("snake_beta", lambda: ops.snake_beta(torch.randn(1, 1024, 2000, dtype=BF16), w, w)),
+        ("race_argmax", lambda: ops.race_argmax(logits, sampled.seeds, steps)),
+        ("moe route", lambda: moe.route(torch.randn(16, 128, dtype=BF16), 8, True)),
+        ("moe align", lambda: moe.moe_align(ids, 128)),
+        ("moe unpermute", lambda: moe.moe_unpermute(torch.randn(128, 2048, dtype=BF16),
+                                                    torch.rand(16, 8, dtype=BF16), torch.arange(128))),
+        ("sample, greedy", lambda: smp.fused_sample(logits, greedy, steps)),
+        ("sample, penalties", lambda: smp.fused_sample(logits, sampled, steps, seen, seen.int(), seen[0])),
+    ]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arch", type=int, default=90, help="compute capability, e.g. 90 for H100/H200")
+    arch = parser.parse_args().arch
+    driver.set_active(StandInDriver(arch))
+    compiled: list[tuple[str, object]] = []
+    launched: set[str] = set()
+    run = JITFunction.run
+
+    def compile_only(self, *args, grid, warmup, **kwargs):
+        launched.add(self.fn.__name__)
+        compiled.append((self.fn.__name__, run(self, *args, grid=grid, warmup=True, **kwargs)))
+
+    JITFunction.run = compile_only
+    mods = {name[len("triton_"):]: importlib.import_module(f"omnistage.layers.{name}")
+            for _, name, _ in pkgutil.iter_modules(omnistage.layers.__path__) if name.startswith("triton_")}
+    kernels = {k for mod in mods.values() for k, v in vars(mod).items() if isinstance(v, JITFunction)
+               and k.endswith("_kernel")}
+    failed = False
+    for label, call in examples(mods):
+        before = len(compiled)
+        try:
+            call()
+        except Exception as e:  # NOTE: report every failing kernel, not only the first
+            print(f"FAIL {label}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            failed = True
+        for name, k in compiled[before:]:
+            print(f"ok   {label}: {name} sm_{arch} ptx {len(k.asm['ptx'])} chars, cubin {len(k.asm['cubin'])} "
+                  f"bytes, {k.metadata.num_warps} warps, {k.metadata.shared} B shared")
+    missing = kernels - launched
+    if missing:
+        print(f"FAIL no example launches {sorted(missing)}")
+    return 1 if failed or missing else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
