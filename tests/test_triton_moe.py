@@ -4,12 +4,13 @@ interpreter on the CPU (conftest); skipped without Triton. The whole block's fas
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import moe, triton_moe, triton_ops
+from omnistage.layers import moe, triton_fused_moe, triton_moe, triton_ops
 
 from conftest import KERNEL_DEVICE as DEV
 from test_triton_ops import ulps
@@ -149,7 +150,9 @@ def test_sparse_moe_block_fast_path_matches_reference(t: int, monkeypatch) -> No
         weights, ids = triton_moe.route(m.gate(x), 8, True)
         shared = torch.sigmoid(m.shared_expert_gate(x)) * m.shared_expert(x)
         exp = m.experts
-        eager_out = moe.fused_experts_grouped(x, exp.gate_up_proj, exp.down_proj, weights, ids, False) + shared
+        grouped = functools.partial(moe.fused_experts_grouped, fused_ops=False)
+        experts = triton_fused_moe.fused_moe if t * 8 <= triton_fused_moe.MAX_SLOTS else grouped
+        eager_out = experts(x, exp.gate_up_proj, exp.down_proj, weights, ids) + shared
         ref = moe.fused_experts_reference(x.float(), exp.gate_up_proj.float(), exp.down_proj.float(),
                                           weights.float(), ids)
     align = ["moe_align"] if t * 8 <= triton_moe.MAX_ALIGN_SLOTS else []

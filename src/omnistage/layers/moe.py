@@ -7,7 +7,8 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
   counts come from `scatter_add_` rather than `bincount` / `histc`, so there is no host sync and the
   path is CUDA-graph capturable; the top-k outputs are gathered back and summed in a fixed order
   (deterministic, no atomics). With `fast_path` the routing and this bookkeeping run as Triton
-  kernels (`layers.triton_moe`), the torch sort staying for long prefills.
+  kernels (`layers.triton_moe`), the torch sort staying for long prefills;
+- fused (fast path, decode sizes): both expert GEMMs and the activation in Triton (`layers.triton_fused_moe`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import triton_moe
+from omnistage.layers import triton_fused_moe, triton_moe
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
 from omnistage.layers.triton_ops import fast_path
 
@@ -69,8 +70,11 @@ def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
                   weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """Path choice: grouped GEMM on CUDA bf16 (rows must be 16-byte aligned; with `fast_path` its bookkeeping
-    in Triton kernels), the reference loop otherwise."""
+    """Path choice: on the fast path up to `triton_fused_moe.MAX_SLOTS` bf16 slots (decode) the fused Triton
+    experts; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned; with `fast_path` its bookkeeping in
+    Triton kernels); the reference loop otherwise."""
+    if fast_path(x) and x.dtype == torch.bfloat16 and ids.numel() <= triton_fused_moe.MAX_SLOTS:
+        return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids)
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
         return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x))

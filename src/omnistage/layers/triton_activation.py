@@ -17,6 +17,12 @@ if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
 
     @triton.jit
+    def silu_mul_rounded(gate, up, dt: tl.constexpr):
+        """`silu(gate) * up` of fp32 blocks, rounded to `dt` where eager rounds: the silu, the product."""
+        act = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(dt).to(tl.float32)
+        return (act * up).to(dt)
+
+    @triton.jit
     def _silu_mul_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -25,8 +31,7 @@ if triton_ops.triton is not None:
         src = row.to(tl.int64) * stride_row
         gate = tl.load(x_ptr + src + cols, mask=m, other=0.0).to(tl.float32)
         up = tl.load(x_ptr + src + n + cols, mask=m, other=0.0).to(tl.float32)
-        act = libdevice.div_rn(gate, 1.0 + libdevice.exp(-gate)).to(dt).to(tl.float32)
-        tl.store(out_ptr + row.to(tl.int64) * n + cols, (act * up).to(dt), mask=m)
+        tl.store(out_ptr + row.to(tl.int64) * n + cols, silu_mul_rounded(gate, up, dt), mask=m)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,110 @@
+"""Fused MoE experts for decode sizes (Triton, vLLM `fused_moe` style); `layers.moe.fused_experts` picks it.
+
+At decode each hit expert gets 1-2 token rows, so the step is bound by reading the hit experts' weights.
+`fused_moe` runs the experts as two launches of one kernel over blocks of `BLOCK_M` rows sorted by expert
+(`triton_moe.moe_align`), each block within one expert:
+- gated: `x[token] @ W_gate_up[e]^T` for a column tile of gate AND the same columns of up, then
+  silu(gate) * up -> `act [T*k, I]` (no gathered copy of x, no `[T*k, 2I]` temporary);
+- plain: `act @ W_down[e]^T` -> `y [T*k, H]`, then `triton_moe.moe_unpermute` scales by the routing
+  weights and sums each token's k rows in a fixed order (deterministic, no atomics).
+It rounds where the grouped path rounds (each GEMM output, the silu, the product, the weighted rows), so only
+the GEMMs' summation order differs. The grid is fixed by T*k and E (`max_blocks`): each program finds its
+block's expert from `offs` itself and programs past the last block exit; no host syncs, CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.layers import triton_moe, triton_ops
+
+# NOTE: decode tiles chosen without a GPU (tl.dot needs every dim >= 16): autotune on the H200.
+BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
+# NOTE: up to this many slots (T*k) `fused_experts` takes this path, above it the grouped GEMMs: a guess.
+MAX_SLOTS = 512
+
+if triton_ops.triton is not None:
+    from omnistage.layers.triton_activation import silu_mul_rounded
+    from omnistage.layers.triton_ops import tl, triton
+
+    @triton.jit
+    def _block_rows(offs_ptr, block, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(expert, sorted rows, row mask) of `block`: expert e owns cdiv(rows of e, BLOCK_M) blocks, in
+        expert order; expert == NUM_EXPERTS past the last block."""
+        experts = tl.arange(0, E_PAD)
+        m = experts < NUM_EXPERTS
+        end = tl.load(offs_ptr + experts, mask=m, other=0)
+        start = tl.load(offs_ptr + experts - 1, mask=m & (experts > 0), other=0)
+        blocks = (end - start + BLOCK_M - 1) // BLOCK_M
+        last = tl.cumsum(blocks, 0)
+        e = tl.sum((last <= block).to(tl.int32), 0)
+        mine = experts == e
+        first = tl.sum(tl.where(mine, start + (block - last + blocks) * BLOCK_M, 0), 0)
+        rows = first + tl.arange(0, BLOCK_M)
+        return e, rows, rows < tl.sum(tl.where(mine, end, 0), 0)
+
+    @triton.jit
+    def _expert_gemm_kernel(a_ptr, w_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn,
+                            NUM_EXPERTS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
+                            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        """out[rows, cols] of one block of sorted rows (one expert e) and one column tile: GATED, rows of `a`
+        read through `token`, silu(a @ W[e, cols]^T) * (a @ W[e, N + cols]^T); else a[rows] @ W[e, cols]^T."""
+        e, rows, row_m = _block_rows(offs_ptr, tl.program_id(0), NUM_EXPERTS, E_PAD, BLOCK_M)
+        if e >= NUM_EXPERTS:
+            return
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_m = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        src = tl.load(token_ptr + rows, mask=row_m, other=0) if GATED else rows.to(tl.int64)
+        a = a_ptr + src[:, None] * K + ks[None, :]
+        w = w_ptr + e.to(tl.int64) * stride_we + cols[:, None] * stride_wn + ks[None, :]
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            k_m = k0 + ks < K
+            x = tl.load(a + k0, mask=row_m[:, None] & k_m[None, :], other=0.0)
+            w_m = col_m[:, None] & k_m[None, :]
+            acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0)), acc)
+            if GATED:
+                acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0)), acc_up)
+        dt = out_ptr.dtype.element_ty
+        out = acc.to(dt)
+        if GATED:
+            out = silu_mul_rounded(out.to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
+        dst = out_ptr + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.store(dst, out, mask=row_m[:, None] & col_m[None, :])
+
+
+def max_blocks(num_slots: int, num_experts: int) -> int:
+    """Blocks of `BLOCK_M` rows that `num_slots` rows sorted by expert can need: sum_e cdiv(rows of e,
+    BLOCK_M) over the at most min(num_slots, num_experts) hit experts."""
+    return triton.cdiv(num_slots, BLOCK_M) + min(num_slots, num_experts)
+
+
+def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
+                gated: bool) -> torch.Tensor:
+    """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
+    with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N]."""
+    a = a.contiguous()
+    if w.stride(-1) != 1:
+        w = w.contiguous()
+    num_experts, n, k = w.shape
+    n //= 2 if gated else 1
+    out = a.new_empty(token.numel(), n)
+    grid = (max_blocks(token.numel(), num_experts), triton.cdiv(n, BLOCK_N))
+    _expert_gemm_kernel[grid](a, w, token, offs, out, w.stride(0), w.stride(1), NUM_EXPERTS=num_experts,
+                              N=n, K=k, GATED=gated, E_PAD=triton.next_power_of_2(num_experts),
+                              BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
+                              num_stages=NUM_STAGES)
+    return out
+
+
+def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+              ids: torch.Tensor) -> torch.Tensor:
+    """`out [T, H]` of `x [T, H]` through the experts `ids [T, k]` weighted by `weights [T, k]`;
+    `w_gate_up [E, 2I, H]` (gate rows first), `w_down [E, H, I]`."""
+    # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
+    token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
+    act = expert_gemm(x, w_gate_up, token, offs, gated=True)
+    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, gated=False), weights, pos)
