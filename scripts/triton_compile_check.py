@@ -46,9 +46,14 @@ class StandInDriver:
         return self.target
 
 
+def experts(h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Uninitialised gate/up and down weights of 128 experts (nothing runs, the launch only compiles)."""
+    return torch.empty(128, 2 * i, h, dtype=BF16), torch.empty(128, h, i, dtype=BF16)
+
+
 def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
     """One call per launch shape worth checking (m: the triton_* modules by short name)."""
-    norm, ops, act, moe, smp = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling"))
+    norm, ops, act, moe, smp, fmoe = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling", "fused_moe"))
     x, w = torch.randn(16, 1024, dtype=BF16), torch.ones(1024, dtype=BF16)
     qkv = torch.randn(16, 32, 128, dtype=BF16)  # code predictor: 16 q + 8 k + 8 v heads of one GEMM
     qw, table = torch.ones(128, dtype=BF16), torch.randn(16, 64, dtype=BF16)
@@ -71,6 +76,9 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
         ("moe align", lambda: moe.moe_align(ids, 128)),
         ("moe unpermute", lambda: moe.moe_unpermute(torch.randn(128, 2048, dtype=BF16),
                                                     torch.rand(16, 8, dtype=BF16), torch.arange(128))),
+        ("fused_moe thinker", lambda: fmoe.fused_moe(x.repeat(1, 2), *experts(2048, 768), torch.rand(16, 8, dtype=BF16),
+                                                      ids)),
+        ("fused_moe talker", lambda: fmoe.fused_moe(x, *experts(1024, 384), torch.rand(16, 6, dtype=BF16), ids[:, :6])),
         ("sample, greedy", lambda: smp.fused_sample(logits, greedy, steps)),
         ("sample, penalties", lambda: smp.fused_sample(logits, sampled, steps, seen, seen.int(), seen[0])),
     ]
