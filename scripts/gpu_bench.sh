@@ -17,7 +17,9 @@
 # BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl),
 # BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json),
 # BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C (ablation rows, see below; empty: none),
-# BENCH_STAGE_OVERRIDES (the main server's --stage-overrides JSON, e.g. a two-GPU layout).
+# BENCH_STAGE_OVERRIDES (the main server's --stage-overrides JSON, e.g. a two-GPU layout),
+# BENCH_STEADY_C / BENCH_STEADY_S (rows at these concurrencies with 10 x c requests each, the vLLM-Omni blog's
+# load, after the P=160 sweep, in BENCH_STEADY_S seconds; empty: none).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
@@ -101,14 +103,21 @@ ABLATION=${BENCH_ABLATION-"batching only|$NO_GRAPHS|{\"async_chunk\": false};+ C
 IFS=';' read -ra ROWS <<< "$ABLATION"
 ROW_S=${BENCH_ABLATION_ROW_S:-75}  # seconds per ablation row (server start included)
 HF_RESERVE=${BENCH_HF_RESERVE:-150}
+STEADY_S=0
+[[ -n ${BENCH_STEADY_C:-} ]] && STEADY_S=${BENCH_STEADY_S:-45}
 KEEP=$((HF_RESERVE + ${#ROWS[@]} * ROW_S))
-SWEEP=$(($(left) - KEEP))
+SWEEP=$(($(left) - KEEP - STEADY_S))
 EXTRA=${BENCH_EXTRA_PROMPTS-10,320,640}
 MAIN=$SWEEP
 [[ -n $EXTRA ]] && MAIN=$((SWEEP * 7 / 10))
 "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_CONCURRENCY:-1,16,32,64}" \
   --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup "${BENCH_WARMUP:-5}" --time-budget "$MAIN" "${COMMON[@]}"
 echo "[$((SECONDS - T0)) s] P=160 sweep done"
+if [[ -n ${BENCH_STEADY_C:-} ]]; then  # the vLLM-Omni blog's load: 10 x c requests at concurrency c, mostly steady state
+  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "$BENCH_STEADY_C" \
+    --prompts-per-concurrency 10 --warmup 0 --time-budget "$STEADY_S" --variant "10 x c prompts" "${COMMON[@]}"
+  echo "[$((SECONDS - T0)) s] steady-state rows done"
+fi
 if [[ -n $EXTRA && $(($(left) - KEEP)) -gt 20 ]]; then
   "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens "$EXTRA" \
     --concurrency "${BENCH_EXTRA_CONCURRENCY:-1,64}" --num-prompts "${BENCH_NUM_PROMPTS:-64}" --warmup 0 \

@@ -186,13 +186,14 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     assert _bench("--backend", "hf", "--model-dir", str(tiny_dir), "--device", "cpu", "--prompt-tokens", "10",
                   "--concurrency", "1,2", "--warmup", "0", *common) == 0
     assert _bench("--base-url", server.url, "--prompt-tokens", "10", "--concurrency", "2", "--warmup", "0",
-                  "--variant", "ablation-x", *common) == 0
+                  "--variant", "ablation-x", "--prompts-per-concurrency", "2", *common) == 0
     results = json.loads((tmp_path / RESULTS).read_text())
     meta, rows = results["meta"], results["rows"]
     assert {"date", "commit", "device", "gpus", "workload", "command"} <= set(meta) and len(meta["runs"]) == 3
     variant = rows.pop()
     assert (variant["backend"], variant["variant"], variant["concurrency"], variant["num_requests"]) == (
-        "omnistage", "ablation-x", 2, 2)
+        "omnistage", "ablation-x", 2, 4)  # 2 x c requests
+    assert meta["runs"][2]["prompts_per_concurrency"] == 2
     assert [(r["backend"], r["prompt_tokens"], r["concurrency"]) for r in rows] == [
         ("omnistage", 10, 1), ("omnistage", 10, 2), ("omnistage", 160, 1), ("omnistage", 160, 2), ("hf", 10, 1),
         ("hf", 10, 2)]
@@ -216,7 +217,7 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     table = (tmp_path / TABLE).read_text()
     assert table.count("\n| omnistage |") == 5 and table.count("\n| hf |") == 2
     assert "Where the time goes" in table and table.count(" | talker | ") == 5
-    assert table.count("\n| omnistage | ablation-x | 10 | 2 | 2 |") == 1
+    assert table.count("\n| omnistage | ablation-x | 10 | 2 | 4 |") == 1
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

@@ -32,7 +32,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--workload", choices=WORKLOADS, default="read-aloud")
     p.add_argument("--prompt-tokens", type=_ints, default=[10, 160, 320, 640])
     p.add_argument("--concurrency", type=_ints, default=[1, 16, 32, 64], help="hf: batch sizes")
-    p.add_argument("--num-prompts", type=int, default=64, help="requests per row: max(this, concurrency)")
+    p.add_argument("--num-prompts", type=int, default=64,
+                   help="requests per row: max(this, concurrency, --prompts-per-concurrency x concurrency)")
+    p.add_argument("--prompts-per-concurrency", type=int, default=0,
+                   help="k: each row sends at least k x c requests (10: the vLLM-Omni blog's 10/160/320/640 prompts "
+                        "at c = 1/16/32/64), so a row is mostly steady state rather than one burst of c")
     p.add_argument("--warmup", type=int, default=5, help="requests sent (all at once) before the sweep")
     p.add_argument("--seed", type=int, default=0, help="picks the sentences; request i gets its own seed")
     p.add_argument("--random-weights", action="store_true",
@@ -56,6 +60,11 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def _plan(args: argparse.Namespace) -> list[tuple[int, int]]:
     return [(p, c) for p in args.prompt_tokens for c in args.concurrency]
+
+
+def row_requests(args: argparse.Namespace, c: int) -> int:
+    """Requests a row at concurrency `c` sends."""
+    return max(args.num_prompts, c, args.prompts_per_concurrency * c)
 
 
 async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget) -> tuple[list[dict], list]:
@@ -86,7 +95,7 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
             if budget.left() <= 0:
                 skipped.append({"prompt_tokens": p, "concurrency": c})
                 continue
-            todo = bodies(p, max(args.num_prompts, c), args.seed)
+            todo = bodies(p, row_requests(args, c), args.seed)
             counters = await scrape_stage_counters(client)
             start = time.perf_counter()
             with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
@@ -122,6 +131,7 @@ def run_bench(args: argparse.Namespace) -> int:
         row["variant"] = args.variant
     meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), args.workload, backend=args.backend, seed=args.seed,
                     random_weights=args.random_weights, tokenizer=counter.name, num_prompts=args.num_prompts,
+                    prompts_per_concurrency=args.prompts_per_concurrency,
                     warmup=args.warmup, time_budget_s=args.time_budget, skipped=skipped,
                     base_url=args.base_url if args.backend == "omnistage" else None)
     results = add_results(args.output_dir, meta, rows)
