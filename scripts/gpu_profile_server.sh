@@ -2,7 +2,8 @@
 # Where the host time of a loaded server goes: `omnistage serve` with its stage worker threads under cProfile
 # (OMNISTAGE_PROFILE_DIR; on Python >= 3.12 the first worker's profile covers every thread, the HTTP loop
 # included), one bench row against it, then the top functions into $OUT/profile.txt.
-# Device call: carry [".whl"], command:  bash scripts/gpu_profile_server.sh   (knobs: PROFILE_C, PROFILE_S)
+# Device call: carry [".whl"], command:  bash scripts/gpu_profile_server.sh   (knobs: PROFILE_C, PROFILE_S,
+# PROFILE_K: k x c requests, 10 = mostly steady state)
 # Small scale on the CPU (~2 min):  BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_PYTHON=.venv/bin/python PROFILE_C=2 \
 #   PROFILE_S=20 OUT=/tmp/prof scripts/gpu_profile_server.sh
 set -uo pipefail
@@ -24,7 +25,7 @@ done
   || { tail -30 "$OUT/server.log"; kill $SERVER; exit 1; }
 echo "[$SECONDS s] server up"
 "$PY" -m omnistage.cli bench --base-url http://127.0.0.1:8091 --prompt-tokens 160 --concurrency "${PROFILE_C:-64}" \
-  --num-prompts "${PROFILE_C:-64}" --warmup 0 --time-budget "${PROFILE_S:-45}" --workload read-aloud --random-weights \
+  --num-prompts "${PROFILE_C:-64}" --prompts-per-concurrency "${PROFILE_K:-1}" --warmup 0 --time-budget "${PROFILE_S:-45}" --workload read-aloud --random-weights \
   --tokenizer "$MODEL" --output-dir "$OUT" ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} \
   ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"} 2>&1 | grep "omnistage |\|| *[0-9]* | [0-9]* | [a-z2-9]* |"
 kill -INT $SERVER
