@@ -7,6 +7,7 @@ import argparse
 import asyncio
 import base64
 import json
+import re
 import time
 
 import httpx
@@ -17,6 +18,7 @@ from omnistage.bench.cli import add_bench_args, run_bench
 from omnistage.bench.client import chat_payload, run_requests, send_request
 from omnistage.bench.metrics import RequestResult, summarize
 from omnistage.bench.report import RESULTS, TABLE
+from omnistage.bench.stage_stats import PHASES, parse_phase_totals, phase_means
 from omnistage.bench.workload import SYSTEM_PROMPT, build_requests, load_sentences, token_counter
 from omnistage.server.audio_format import wav_stream_header
 
@@ -211,12 +213,17 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
         assert 1 <= st["talker"]["mean_batch"] <= r["concurrency"] and 0 < st["talker"]["busy_fraction"] <= 1.05
         assert st["talker"]["steps_per_s"] * st["talker"]["mean_step_ms"] / 1e3 == pytest.approx(
             st["talker"]["busy_fraction"])
-    assert "stages" not in rows[4]
+        ph = r["phases_ms"]
+        assert sorted(ph, key=ph.get) == list(PHASES) and 0 <= ph["thinker_start"] <= r["mean_ttfp_ms"], ph
+    assert "stages" not in rows[4] and "phases_ms" not in rows[4]
     assert rows[4]["mean_ttft_ms"] == rows[4]["mean_ttfp_ms"] == rows[4]["mean_e2e_ms"]
     assert sum(bool(r.get("best_batch")) for r in rows) == 1
     table = (tmp_path / TABLE).read_text()
     assert table.count("\n| omnistage |") == 5 and table.count("\n| hf |") == 2
     assert "Where the time goes" in table and table.count(" | talker | ") == 5
+    parts = table[table.index("TTFP's parts"):]
+    assert "| variant | P | c | " + " | ".join(PHASES) + " |" in parts
+    assert len(re.findall(r"^\| (ablation-x)? \| (10|160) \| [12] \|( \d+ \|){6}$", parts, re.M)) == 5
     assert table.count("\n| omnistage | ablation-x | 10 | 2 | 4 |") == 1
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
@@ -234,3 +241,20 @@ def test_stage_summary_splits_gpu_time_from_step_time() -> None:
     assert summary["talker"] == pytest.approx({"steps_per_s": 50, "mean_step_ms": 20, "busy_fraction": 1.0,
                                                "mean_batch": 10, "graph_ms": 10, "graph_gpu_fraction": 0.5})
     assert "graph_ms" not in summary["code2wav"]
+
+
+def test_phase_means_from_metrics_text() -> None:
+    def text(rows: list[tuple[str, float, int]]) -> str:
+        return "".join(f'omnistage_request_phase_seconds_bucket{{phase="{p}",le="+Inf"}} {n}\n'
+                       f'omnistage_request_phase_seconds_sum{{phase="{p}"}} {s}\n'
+                       f'omnistage_request_phase_seconds_count{{phase="{p}"}} {n}\n' for p, s, n in rows)
+
+    before = parse_phase_totals(text([("first_token", 1.0, 4), ("first_audio", 2.0, 2), ("first_frame", 7.0, 2)]))
+    assert before["first_token"] == {"sum": 1.0, "count": 4} and set(before) == {"first_token", "first_audio",
+                                                                                   "first_frame"}
+    after = parse_phase_totals(text([("first_audio", 3.5, 5), ("first_token", 2.2, 8), ("thinker_start", 0.04, 4),
+                                     ("first_frame", 7.0, 2)]))
+    means = phase_means(before, after)
+    assert list(means) == ["thinker_start", "first_token", "first_audio"]  # PHASES order; first_frame: no new
+    assert means == pytest.approx({"thinker_start": 10.0, "first_token": 300.0, "first_audio": 500.0})
+    assert phase_means(after, after) is None and phase_means(None, None) is None

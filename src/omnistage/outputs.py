@@ -32,3 +32,4 @@ class OutputDelta:
     finished: bool = False
     finish_reason: str | None = None
     usage: Usage | None = None
+    phases: dict[str, float] | None = None  # on the finishing delta: seconds from arrival to each phase reached

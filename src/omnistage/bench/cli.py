@@ -72,7 +72,7 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
     from tqdm import tqdm
 
     from omnistage.bench.client import chat_payload, run_requests, served_model
-    from omnistage.bench.stage_stats import scrape_stage_counters, stage_summary
+    from omnistage.bench.stage_stats import row_server_stats, scrape_server_counters
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
     limits = httpx.Limits(max_connections=max(args.concurrency + [args.warmup, 1]) + 4)
@@ -96,15 +96,15 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
                 skipped.append({"prompt_tokens": p, "concurrency": c})
                 continue
             todo = bodies(p, row_requests(args, c), args.seed)
-            counters = await scrape_stage_counters(client)
+            counters = await scrape_server_counters(client)
             start = time.perf_counter()
             with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
                 results, cancelled = await run_requests(client, todo, c, budget.row_deadline(len(plan) - i),
                                                         budget.end, on_done=bar.update)
             rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=p, start=start,
                                   cancelled=cancelled))
-            rows[-1]["stages"] = stage_summary(counters, await scrape_stage_counters(client),
-                                               time.perf_counter() - start)
+            rows[-1].update(row_server_stats(counters, await scrape_server_counters(client),
+                                             time.perf_counter() - start))
             _print_row(rows[-1])
     return rows, skipped
 

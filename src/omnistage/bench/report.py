@@ -8,7 +8,10 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
+
+from omnistage.bench.stage_stats import PHASES
 
 RESULTS = "results.json"
 TABLE = "results.md"
@@ -23,6 +26,9 @@ COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "P": ("pr
            "TTFP p90": ("p90_ttfp_ms", "{:.0f}"), "TTFP p99": ("p99_ttfp_ms", "{:.0f}"),
            "RTF": ("mean_rtf", "{:.3f}"), "RTF p90": ("p90_rtf", "{:.3f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
            "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
+# the stage table's cells after the stage name: (stage figure, format)
+STAGE_CELLS = (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"), ("busy_fraction", "{:.0%}"),
+               ("mean_batch", "{:.1f}"), ("graph_ms", "{:.1f}"), ("graph_gpu_fraction", "{:.0%}"))
 
 
 def git_commit() -> str:
@@ -88,26 +94,35 @@ def markdown(results: dict) -> str:
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
     lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
                    "is its batch size and TTFT = TTFP = E2E.")]
-    return "\n".join(lines + _stage_lines(results["rows"])) + "\n"
+    return "\n".join(lines + _stage_lines(results["rows"]) + _phase_lines(results["rows"])) + "\n"
+
+
+def _server_table(rows: list[dict], key: str, columns: list[str], lines_of: Callable[[dict], list[list[str]]],
+                  caption: str) -> list[str]:
+    """A table of the rows that have server figures under `key` (omnistage: /metrics before and after the
+    row): variant, P, c, then `columns`, one line per cell list `lines_of(row[key])` gives."""
+    lines = ["| " + " | ".join(["variant", "P", "c", *columns]) + " |", "|---" * (3 + len(columns)) + "|"]
+    for row in sorted((r for r in rows if r.get(key)),
+                      key=lambda r: (r.get("variant") or "", r["prompt_tokens"], r["concurrency"])):
+        head = f"| {row.get('variant') or ''} | {row['prompt_tokens']} | {row['concurrency']} | "
+        lines += [head + " | ".join(cells) + " |" for cells in lines_of(row[key])]
+    return ["", caption, "", *lines] if len(lines) > 2 else []
 
 
 def _stage_lines(rows: list[dict]) -> list[str]:
-    """Per-stage step figures of the rows that have them (omnistage: /metrics before and after the row)."""
-    lines = ["| variant | P | c | stage | steps/s | mean step ms | busy | mean batch | graph GPU ms | graph GPU busy |",
-             "|---" * 10 + "|"]
-    for row in sorted((r for r in rows if r.get("stages")), key=lambda r: (r.get("variant") or "", r["prompt_tokens"],
-                                                                         r["concurrency"])):
-        for stage, s in sorted(row["stages"].items()):
-            lines.append(f"| {row.get('variant') or ''} | {row['prompt_tokens']} | {row['concurrency']} | {stage} | "
-                         + " | ".join(_cell(s, k, f) for k, f in (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"),
-                                                                  ("busy_fraction", "{:.0%}"), ("mean_batch", "{:.1f}"),
-                                                                  ("graph_ms", "{:.1f}"), ("graph_gpu_fraction", "{:.0%}")))
-                         + " |")
-    if len(lines) == 2:
-        return []
-    return ["", "Where the time goes (server step counters over each row; busy = the stage's worker inside a step; "
-            "graph GPU = its CUDA graph replays on the GPU, timed by events):",
-            "", *lines]
+    """Per-stage step figures of the rows that have them."""
+    return _server_table(
+        rows, "stages", ["stage", "steps/s", "mean step ms", "busy", "mean batch", "graph GPU ms", "graph GPU busy"],
+        lambda stages: [[stage, *(_cell(s, k, f) for k, f in STAGE_CELLS)] for stage, s in sorted(stages.items())],
+        "Where the time goes (server step counters over each row; busy = the stage's worker inside a step; "
+        "graph GPU = its CUDA graph replays on the GPU, timed by events):")
+
+
+def _phase_lines(rows: list[dict]) -> list[str]:
+    """Mean phase times of the rows that have them."""
+    return _server_table(rows, "phases_ms", list(PHASES), lambda p: [[_cell(p, k, "{:.0f}") for k in PHASES]],
+                         "TTFP's parts (server side: mean ms from the request's arrival at the engine to the "
+                         "first time it reached each phase, over the row's finished requests):")
 
 
 def plot(results: dict, out_dir: str | Path) -> list[Path]:

@@ -1,6 +1,6 @@
 """Where the server's time goes during one bench row: the per-stage step counters of /metrics
-(`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays}_total`) read before and
-after the row."""
+(`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays}_total`) and the request
+phase histogram (`omnistage_request_phase_seconds_{sum,count}`) read before and after the row."""
 
 from __future__ import annotations
 
@@ -8,6 +8,9 @@ import re
 
 _COUNTER = re.compile(r'^omnistage_stage_(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays)_total'
                       r'\{stage="([^"]+)"\} (\S+)$', re.M)
+_PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
+# the engine's marks (engine/request.py), in the order a text + audio request reaches them
+PHASES = ("thinker_start", "first_token", "talker_start", "first_frame", "first_chunk", "first_audio")
 
 
 def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
@@ -18,13 +21,45 @@ def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def scrape_stage_counters(client) -> dict[str, dict[str, float]] | None:
-    """GET /metrics through an httpx.AsyncClient; None when the server has no such counters."""
+def parse_phase_totals(text: str) -> dict[str, dict[str, float]]:
+    """Prometheus text -> {phase: {"sum": seconds, "count": requests}} of the request phase histogram."""
+    out: dict[str, dict[str, float]] = {}
+    for name, phase, value in _PHASE.findall(text):
+        out.setdefault(phase, {})[name] = float(value)
+    return out
+
+
+async def scrape_server_counters(client) -> dict[str, dict[str, dict[str, float]]] | None:
+    """GET /metrics through an httpx.AsyncClient -> {"stages": ..., "phases": ...} (the two parsers above);
+    None when the server has no /metrics."""
     try:
         r = await client.get("/metrics")
     except Exception:  # a server without /metrics (another implementation): no stage figures
         return None
-    return parse_stage_counters(r.text) if r.status_code == 200 else None
+    if r.status_code != 200:
+        return None
+    return {"stages": parse_stage_counters(r.text), "phases": parse_phase_totals(r.text)}
+
+
+def row_server_stats(before: dict | None, after: dict | None, wall_s: float) -> dict[str, dict | None]:
+    """A row's "stages" (`stage_summary`) and "phases_ms" (`phase_means`) from scrapes before and after it."""
+    b, a = before or {}, after or {}
+    return {"stages": stage_summary(b.get("stages"), a.get("stages"), wall_s),
+            "phases_ms": phase_means(b.get("phases"), a.get("phases"))}
+
+
+def phase_means(before: dict | None, after: dict | None) -> dict[str, float] | None:
+    """{phase: mean ms from engine arrival} over the requests that finished between the scrapes, in `PHASES`
+    order (others after); None when none reached a phase."""
+    if after is None:
+        return None
+    out = {}
+    for phase in sorted(after, key=lambda p: PHASES.index(p) if p in PHASES else len(PHASES)):
+        b = (before or {}).get(phase, {})
+        n = after[phase].get("count", 0) - b.get("count", 0)
+        if n > 0:
+            out[phase] = (after[phase]["sum"] - b.get("sum", 0)) / n * 1e3
+    return out or None
 
 
 def stage_summary(before: dict | None, after: dict | None, wall_s: float) -> dict[str, dict[str, float]] | None:

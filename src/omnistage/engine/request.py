@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -13,6 +14,11 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 @dataclass
 class Request:
+    """`phases`: seconds from `arrival` (its construction) to the first time the request reached each phase
+    (`mark`: thinker_start, first_token, talker_start, first_frame, first_chunk, first_audio); the finishing
+    delta carries a copy. Recorded with the local placement: with Ray the stages mark their actor's copy of
+    the request, so the driver's request has only the marks made in the driver (first_chunk)."""
+
     request_id: str
     prompt: PromptInputs
     sampling: SamplingParams
@@ -24,11 +30,17 @@ class Request:
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
     aborted: bool = False
+    arrival: float = field(default_factory=time.perf_counter, init=False)
+    phases: dict[str, float] = field(default_factory=dict, init=False)
     _parts_left: int = field(default=0, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self._parts_left = 2 if self.want_audio else 1  # the text, and the audio when asked
+
+    def mark(self, phase: str) -> None:
+        """Records the time since arrival the first time `phase` is reached (later marks do nothing)."""
+        self.phases.setdefault(phase, time.perf_counter() - self.arrival)
 
     def part_done(self) -> None:
         """The text (thinker) or the audio (code2wav) is complete; the stream ends after the last part."""
@@ -37,4 +49,4 @@ class Request:
             last = self._parts_left == 0
         if last:
             self.emit(OutputDelta(self.request_id, finished=True, finish_reason=self.finish_reason or "stop",
-                                  usage=self.usage))
+                                  usage=self.usage, phases=dict(self.phases)))

@@ -110,6 +110,7 @@ class Code2WavStage:
         wav, codes = to_host(torch.cat(wavs).float(), frames)
         for (rid, _), w, a, n in zip(ready, wav.split([w.numel() for w in wavs]), starts, counts):
             req = self.seqs[rid][0].request
+            req.mark("first_audio")
             req.emit(OutputDelta(rid, audio=w.numpy().copy(), codes=codes[a:a + n].t().numpy().copy()))
 
 

@@ -104,6 +104,7 @@ class TalkerStage(AsyncOutputStep):
 
     def _admit(self, chunk: TextChunk) -> None:
         req, p = chunk.request, chunk.prompt
+        req.mark("talker_start")
         mm = None if p.mm_hidden is None else arrive(p.mm_hidden, self.device).to(self.dtype)
         rows = prompt_embeds(self.talker, self.tokens, arrive(p.prompt_ids, self.device),
                              arrive(p.embeds, self.device).to(self.dtype), mm,
@@ -189,6 +190,8 @@ class TalkerStage(AsyncOutputStep):
         if c0 == self.talker.codec_eos:
             return self._finish(seq)
         seq.emitted += 1
+        if seq.emitted == 1:
+            seq.req.mark("first_frame")
         self.to_code2wav(FrameChunk(seq.req, frame))
         if seq.emitted >= seq.req.talker_sampling.max_frames:
             self._finish(seq)

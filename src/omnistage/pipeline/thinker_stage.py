@@ -105,6 +105,7 @@ class ThinkerStage(AsyncOutputStep):
                 break
             self.blocks.allocate(seq.req.request_id, total)
             seq.slot = self.penalties.acquire(seq.prompt_ids)
+            seq.req.mark("thinker_start")
             self.running.append(self.waiting.popleft())
             n = min(seq.prompt_len, budget)
             batch.append((seq, n))
@@ -176,9 +177,12 @@ class ThinkerStage(AsyncOutputStep):
     def _append(self, seq: ThinkerSeq, token: int, embed: torch.Tensor) -> None:
         text, stopped, done = seq.append(token, self.eos_ids)
         req = seq.req
+        first = len(seq.output_ids) == 1
+        if first:
+            req.mark("first_token")
         if req.want_audio:
             prompt = None
-            if len(seq.output_ids) == 1:
+            if first:
                 mm = torch.cat(seq.mm_hidden) if seq.mm_hidden else None
                 prompt = TalkerPrompt(seq.prompt_ids, seq.embeds, mm)
             self.to_talker(TextChunk(req, embed, prompt))

@@ -115,6 +115,9 @@ class ServerMetrics:
                               LATENCY_BUCKETS)
         self.rtf = Histogram(f"{p}_audio_rtf", "(Last audio chunk - arrival) / audio seconds.", RTF_BUCKETS)
         self.e2e = Histogram(f"{p}_e2e_request_latency_seconds", "Arrival to finish.", LATENCY_BUCKETS)
+        self.phase = Histogram(f"{p}_request_phase_seconds",
+                               "Engine arrival to the first time the request reached each phase.", LATENCY_BUCKETS,
+                               ("phase",))
         self.batch_size = Gauge(f"{p}_stage_batch_size", "Requests in the stage's last step.", ("stage",))
         self.queue_depth = Gauge(f"{p}_stage_queue_depth", "Requests waiting for the stage.", ("stage",))
         self.kv_blocks_used = Gauge(f"{p}_kv_cache_blocks_in_use", "KV cache blocks in use.", ("stage",))
@@ -134,7 +137,7 @@ class ServerMetrics:
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
-        self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.batch_size,
+        self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.phase, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
                      self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.waiting, self.waiting_tokens, self.rss]
 
@@ -158,9 +161,13 @@ class ServerMetrics:
                 counter.set_total(total, stage=stage)
 
     def observe_finished(self, e2e: float, ttft: float | None = None, ttfp: float | None = None,
-                         audio_seconds: float = 0.0, last_audio: float | None = None) -> None:
-        """Times in seconds since the request arrived; `last_audio` = time of the last audio chunk."""
+                         audio_seconds: float = 0.0, last_audio: float | None = None,
+                         phases: dict[str, float] | None = None) -> None:
+        """Times in seconds since the request arrived; `last_audio` = time of the last audio chunk; `phases`:
+        seconds from the engine's arrival to each phase the request reached."""
         self.e2e.observe(e2e)
+        for phase, seconds in (phases or {}).items():
+            self.phase.observe(seconds, phase=phase)
         if ttft is not None:
             self.ttft.observe(ttft)
         if ttfp is not None:

@@ -59,9 +59,12 @@ class RequestClock:
         self.ttfp: float | None = None
         self.last_audio: float | None = None
         self.samples = 0
+        self.phases: dict[str, float] | None = None
 
     def saw(self, delta: OutputDelta) -> None:
         now = time.perf_counter() - self.start
+        if delta.finished:
+            self.phases = delta.phases
         if delta.text and self.ttft is None:
             self.ttft = now
         if delta.audio is not None and delta.audio.size:
@@ -70,7 +73,7 @@ class RequestClock:
 
     def report(self, metrics: ServerMetrics) -> None:
         metrics.observe_finished(time.perf_counter() - self.start, self.ttft, self.ttfp,
-                                 self.samples / SAMPLE_RATE, self.last_audio)
+                                 self.samples / SAMPLE_RATE, self.last_audio, phases=self.phases)
 
 
 async def start_request(engine: EngineClient, request_id: str, messages: list[dict], sampling: SamplingParams,
