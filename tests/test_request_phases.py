@@ -19,7 +19,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from serve_process import MODEL, USER
 
 pytest_plugins = ["serve_fixtures"]
-PHASES = ["thinker_start", "first_token", "talker_start", "first_frame", "first_chunk", "first_audio"]
+PHASES = ["thinker_start", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio"]
 
 
 def test_mark_first_time_wins_and_the_finish_carries_a_copy() -> None:

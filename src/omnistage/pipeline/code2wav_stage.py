@@ -104,8 +104,9 @@ class Code2WavStage:
         frames = torch.stack([f for (_, seq), n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
         starts = list(itertools.accumulate(counts, initial=0))
         items = [(seq.state, frames[a:a + n].t()) for (_, seq), a, n in zip(ready, starts, counts)]
-        for (_, seq), n in zip(ready, counts):
+        for (rid, seq), n in zip(ready, counts):
             del seq.pending[:n]
+            self.seqs[rid][0].request.mark("code2wav_start")
         wavs = self.runner.run(items, last) if self.runner is not None else self.streamer.step(items)
         wav, codes = to_host(torch.cat(wavs).float(), frames)
         for (rid, _), w, a, n in zip(ready, wav.split([w.numel() for w in wavs]), starts, counts):

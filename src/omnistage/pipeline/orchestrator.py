@@ -84,8 +84,6 @@ class Orchestrator:
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
         if not chunk.request.aborted:
-            if not chunk.finished:
-                chunk.request.mark("first_chunk")
             self.stages.code2wavs[self._pick(self.code2wav_router, chunk)].add(chunk)
 
     @staticmethod
