@@ -47,9 +47,13 @@ class Req:
     aborted: bool = False
     done: bool = False
     deltas: list[OutputDelta] = field(default_factory=list)
+    phases: list[str] = field(default_factory=list)
 
     def emit(self, delta: OutputDelta) -> None:
         self.deltas.append(delta)
+
+    def mark(self, phase: str) -> None:
+        self.phases.append(phase)
 
     def part_done(self) -> None:
         self.done = True

@@ -88,6 +88,7 @@ class StageConfig:
     cuda_graph: bool = _opt(False, _bool)
     cuda_graph_batch_sizes: tuple[int, ...] = _opt((), _sizes)
     cuda_graph_capture_widths: tuple[int, ...] = _opt((), _sizes)  # KV blocks per row captured at start
+    cuda_graph_prefill_tokens: tuple[int, ...] = _opt((), _sizes)  # token buckets of fresh-prompt prefill graphs
     dtype: str = _opt("bfloat16", _dtype)
     stream_priority: int = _opt(0, _priority)  # CUDA stream priority of the stage's worker
     sampling: dict = field(default_factory=dict, metadata={"check": _mapping})

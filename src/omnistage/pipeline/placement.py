@@ -58,13 +58,16 @@ def num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device
 
 def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) -> None:
     """CUDA graphs now, not in the first requests: code2wav's fixed chunk shapes, the thinker's and the
-    talker's at the deploy config's `cuda_graph_capture_widths`."""
+    talker's at the deploy config's `cuda_graph_capture_widths` and their prefill graphs."""
     if stage.runner is None:
         return
     if isinstance(stage, Code2WavStage):
         stage.runner.capture()
-    elif sc.cuda_graph_capture_widths:
+        return
+    if sc.cuda_graph_capture_widths:
         stage.runner.capture(sc.cuda_graph_capture_widths)
+    if stage.prefill is not None:
+        stage.prefill.capture()
 
 
 def worker_name(stage: str, replica: int, replicas: int) -> str:
@@ -100,12 +103,12 @@ def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torc
                              max_num_batched_tokens=sc.max_num_batched_tokens,
                              num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
                              cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
-                             async_output=p.deploy.async_output)
+                             prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
                             num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
                             cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
-                            async_output=p.deploy.async_output)
+                            prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output)
     else:
         conn = p.deploy.connector
         stage = Code2WavStage(module, max_batch_size=sc.max_batch_size,

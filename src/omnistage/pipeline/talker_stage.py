@@ -27,6 +27,7 @@ from omnistage.models.qwen3_omni.talker_prompt import (
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults
+from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
 
@@ -38,10 +39,12 @@ class TalkerStage(AsyncOutputStep):
     def __init__(self, talker: torch.nn.Module, config: Any, to_code2wav: Callable[[FrameChunk], None],
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
+                 graph_batch_sizes: Sequence[int] = (), prefill_tokens: Sequence[int] = (),
+                 async_output: bool = False) -> None:
         """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
-        elsewhere), prefills as an eager forward plus its head graph; one KV block is then reserved for
+        elsewhere), prefills as a forward (through `PrefillGraphRunner` at its `prefill_tokens` buckets when
+        given and the prompts fit, else eagerly) plus its head graph; one KV block is then reserved for
         padding rows."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = next(talker.parameters())
@@ -54,11 +57,13 @@ class TalkerStage(AsyncOutputStep):
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
         self.runner: TalkerGraphRunner | None = None
+        self.prefill: PrefillGraphRunner | None = None
         if cuda_graph:
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = TalkerGraphRunner(talker, sizes, max_batch_size, self.blocks.num_blocks, block_size,
                                             scratch, self.penalties)
+            self.prefill = prefill_runner(talker.model, prefill_tokens, max_batch_size, block_size, scratch)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
@@ -179,9 +184,12 @@ class TalkerStage(AsyncOutputStep):
                                           lambda seen: self.talker.head(hidden, st, frame_index, seen, ignore_eos))
 
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
-        """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden."""
+        """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden;
+        fresh prompts alone through the prefill graphs."""
         positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
         last = to_device(fb.lens, torch.long, self.device).cumsum(0) - 1
+        if self.prefill is not None and max(fb.num_computed) == 0 and self.prefill.fits(fb.lens):
+            return self.prefill.run(fb.inputs, positions, fb.lens, fb.tables).index_select(0, last)
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
             return self.talker(fb.inputs, positions).index_select(0, last)

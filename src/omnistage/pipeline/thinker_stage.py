@@ -17,11 +17,13 @@ from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.outputs import OutputDelta
+from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, flat_positions
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.thinker_inputs import Media, encode_media, encode_together, new_seq, step_deepstack
 from omnistage.pipeline.faults import StepFaults
+from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker_runner import ThinkerGraphRunner, sample_tokens
 from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
@@ -33,9 +35,11 @@ class ThinkerStage(AsyncOutputStep):
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
-                 async_output: bool = False) -> None:
+                 prefill_tokens: Sequence[int] = (), async_output: bool = False) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
-        chunks of the same step eagerly beside them; one KV block is then reserved for padding rows.
+        chunks of the same step beside them: fresh text prompts through `PrefillGraphRunner` when
+        `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
+        padding rows.
         `async_output`: see `step`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
@@ -46,11 +50,13 @@ class ThinkerStage(AsyncOutputStep):
         self.vocab = thinker.lm_head.out_features
         self.penalties = PenaltyTable(max_batch_size, self.vocab, p.device)
         self.runner: ThinkerGraphRunner | None = None
+        self.prefill: PrefillGraphRunner | None = None
         if cuda_graph:
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
                                              self.penalties)
+            self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch)
         self.accept_layer = config.talker_config.accept_hidden_layer
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
@@ -140,11 +146,7 @@ class ThinkerStage(AsyncOutputStep):
         spans = [(s.num_computed, n) for s, n in batch]
         positions = flat_positions(spans, [s.mrope for s, _ in batch], self.device)
         capture = self.accept_layer if any(s.in_prefill and s.has_mm for s, _ in batch) else None
-        ctx = build_context([s.num_computed for s, _ in batch], [n for _, n in batch],
-                            [self.blocks.tables[s.req.request_id] for s, _ in batch], self.blocks.block_size,
-                            self.device)
-        with forward_context(ctx):
-            hidden, accept = self.thinker.model(torch.cat(rows), positions, capture, step_deepstack(batch))
+        hidden, accept = self._model(batch, torch.cat(rows), positions, capture, step_deepstack(batch))
         offset, samplers = 0, []
         for seq, n in batch:
             if capture is not None and seq.in_prefill:
@@ -155,6 +157,17 @@ class ThinkerStage(AsyncOutputStep):
                 seq.deepstack = None  # NOTE: the prompt is done: its DeepStack rows are not needed again
                 samplers.append((seq, offset - 1))
         return [self._sample(samplers, hidden)] if samplers else []
+
+    def _model(self, batch: list[tuple[ThinkerSeq, int]], rows: torch.Tensor, positions: torch.Tensor,
+               capture: int | None, deepstack: Deepstack | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Path choice: fresh text prompts alone through the prefill graphs, anything else eagerly."""
+        lens, tables = [n for _, n in batch], [self.blocks.tables[s.req.request_id] for s, _ in batch]
+        if (self.prefill is not None and capture is None and deepstack is None and self.prefill.fits(lens)
+                and all(s.num_computed == 0 for s, _ in batch)):
+            return self.prefill.run(rows, positions, lens, tables), None
+        ctx = build_context([s.num_computed for s, _ in batch], lens, tables, self.blocks.block_size, self.device)
+        with forward_context(ctx):
+            return self.thinker.model(rows, positions, capture, deepstack)
 
     def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor
                 ) -> tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]:

@@ -1,0 +1,97 @@
+"""Prefills of fresh prompts on static buffers: one CUDA graph per token bucket (thinker and talker), the
+same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
+
+An eager prefill is ~25 launches a layer from Python (~1 200 for the thinker), so under load a step that
+admits a request is mostly host time. Prompts with nothing cached yet attend only to their own rows, so
+the packed context is the new rows themselves: one slot buffer serves as `slot_mapping` and `kv_slots`,
+one offset buffer as `cu_seqlens_q` and `cu_seqlens_k`. The rows past the live ones (up to the bucket)
+form one padding sequence that writes and reads the scratch block (slot i % block_size), and the
+sequences past it are empty (their offsets repeat), so every row stays finite and no live row sees them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
+from omnistage.layers.context import ForwardContext, forward_context
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (embeds [T, H], positions [3, T]) -> hidden
+
+
+class PrefillGraphRunner:
+    def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
+                 token_buckets: Sequence[int], max_seqs: int, block_size: int, scratch_block: int) -> None:
+        """`forward`: the decoder over flat rows; prompts of up to max(token_buckets) rows in all and up to
+        `max_seqs` prompts per run; padding rows write `scratch_block`."""
+        self.forward, self.buckets, self.max_seqs = forward, sorted(token_buckets), max_seqs
+        self.block_size, self.scratch = block_size, scratch_block
+        rows, width = self.buckets[-1], -(-self.buckets[-1] // block_size)
+        self.embeds = torch.zeros(rows, hidden_size, dtype=dtype, device=device)
+        self.positions = torch.zeros(3, rows, dtype=torch.float32, device=device)
+        self.slots = torch.zeros(rows, dtype=torch.long, device=device)
+        self.cu = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
+        self.lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
+        self.tables = torch.full((max_seqs + 1, width), scratch_block, dtype=torch.int32, device=device)
+        self.graphs: CUDAGraphs | None = CUDAGraphs() if device.type == "cuda" else None
+
+    def fits(self, lens: Sequence[int]) -> bool:
+        return len(lens) <= self.max_seqs and sum(lens) <= self.buckets[-1]
+
+    def capture(self) -> None:
+        """Capture every bucket now (on CUDA), largest first."""
+        for t in reversed(self.buckets):
+            self._capture(t)
+
+    def run(self, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
+            tables: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Hidden states [sum(lens), H] of fresh prompts (`lens` rows each, in order, through `tables`), flat
+        `embeds` and `positions` ([T] or [3, T]). A view of the graph's output: read it before the next run."""
+        total = sum(lens)
+        t = batch_bucket(total, self.buckets)
+        self._capture(t)
+        self._load(t, embeds, positions, lens, tables)
+        hidden = self._forward(t) if self.graphs is None else self.graphs.replay(t)
+        return hidden[:total]
+
+    def _capture(self, t: int) -> None:
+        if self.graphs is not None and t not in self.graphs:
+            self._load(t, self.embeds[:0], self.positions[:, :0], [], [])  # warm-up and capture: padding only
+            self.graphs.capture(t, lambda: self._forward(t))
+
+    def _load(self, t: int, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
+              tables: Sequence[Sequence[int]]) -> None:
+        n, total, bs = len(lens), sum(lens), self.block_size
+        self.embeds[:total].copy_(embeds)
+        self.positions[:, :total].copy_(positions.float().expand(3, -1) if positions.dim() == 1 else positions)
+        seq_lens = torch.tensor([*lens, t - total] + [0] * (self.max_seqs - n), dtype=torch.int32)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0, dtype=torch.int32)])
+        rows = torch.full(self.tables.shape, self.scratch, dtype=torch.int32)  # the padding sequence: scratch
+        for i, (m, tb) in enumerate(zip(lens, tables)):
+            rows[i, :-(-m // bs)] = torch.tensor(tb[:-(-m // bs)], dtype=torch.int32)
+        seq = torch.repeat_interleave(torch.arange(n + 1), seq_lens[:n + 1])
+        pos = torch.arange(t) - cu[seq]
+        # NOTE: non_blocking from pageable memory is staged at once (see layers.context.to_device).
+        self.slots[:t].copy_(rows[seq, pos // bs].long() * bs + pos % bs, non_blocking=True)
+        self.cu.copy_(cu, non_blocking=True)
+        self.lens.copy_(seq_lens, non_blocking=True)
+        self.tables.copy_(rows, non_blocking=True)
+
+    def _forward(self, t: int) -> torch.Tensor:
+        ctx = ForwardContext(is_prefill=True, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=t,
+                             max_seqlen_k=t, context_lens=self.lens, slot_mapping=self.slots[:t],
+                             block_tables=self.tables, block_size=self.block_size, kv_slots=self.slots[:t])
+        with forward_context(ctx):
+            return self.forward(self.embeds[:t], self.positions[:, :t])
+
+
+def prefill_runner(model: torch.nn.Module, token_buckets: Sequence[int], max_seqs: int, block_size: int,
+                   scratch_block: int) -> PrefillGraphRunner | None:
+    """A runner for `model` (a `DecoderModel`) on its device and dtype; None without buckets."""
+    if not token_buckets:
+        return None
+    w = model.norm.weight
+    return PrefillGraphRunner(lambda embeds, positions: model(embeds, positions)[0], w.numel(), w.dtype, w.device,
+                              token_buckets, max_seqs, block_size, scratch_block)
