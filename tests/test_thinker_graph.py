@@ -30,7 +30,8 @@ def omni(graph: bool) -> Omni:
     # NOTE: the deploy config refuses cuda_graph on the cpu platform; set past validation, it means
     # "runner on, graphs captured only on CUDA": the static-buffer path runs eagerly here.
     thinker = replace(cfg.stages.thinker, cuda_graph=graph, cuda_graph_batch_sizes=SIZES,
-                        cuda_graph_capture_widths=(1,))  # every width bucket reachable
+                        cuda_graph_capture_widths=(1,),  # every width bucket reachable
+                        cuda_graph_prefill_tokens=())  # decode runner alone (tests/test_prefill_graph.py)
     return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, thinker=thinker)), device="cpu")
 
 
