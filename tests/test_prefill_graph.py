@@ -135,3 +135,19 @@ def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> No
         ref = model(embeds, positions)[0]
     assert torch.isfinite(hidden).all()
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_groups_and_last_rows_over_several_runs() -> None:
+    stage = omni(True).engine.talkers[0]
+    runner, model = stage.prefill, stage.talker.model
+    assert runner.groups([200, 100, 150, 256, 1]) == [(0, 1), (1, 3), (3, 4), (4, 5)]
+    assert runner.groups([1] * 70) == [(0, 64), (64, 70)] and runner.groups([10, 257]) is None
+    lens = [200, 100, 150, 256, 1]  # four runs, the fourth filling its bucket
+    width = [-(-n // BLOCK) for n in lens]
+    tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
+    embeds = torch.randn(sum(lens), runner.embeds.shape[1])
+    positions = torch.cat([torch.arange(n) for n in lens])
+    last = runner.run_last(embeds, positions, lens, tables)
+    with forward_context(build_context([0] * len(lens), lens, tables, BLOCK)):
+        ref = model(embeds, positions)[0][torch.tensor(lens).cumsum(0) - 1]
+    torch.testing.assert_close(last, ref, rtol=1e-5, atol=1e-5)

@@ -11,6 +11,7 @@ sequences past it are empty (their offsets repeat), so every row stays finite an
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,6 +56,34 @@ class PrefillGraphRunner:
         self._load(t, embeds, positions, lens, tables)
         hidden = self._forward(t) if self.graphs is None else self.graphs.replay(t)
         return hidden[:total]
+
+    def groups(self, lens: Sequence[int]) -> list[tuple[int, int]] | None:
+        """Consecutive prompt ranges [a, b) that each fit one run (filled in order); None when a prompt alone
+        does not."""
+        out, a, rows = [], 0, 0
+        for i, n in enumerate(lens):
+            if n > self.buckets[-1]:
+                return None
+            if rows + n > self.buckets[-1] or i - a == self.max_seqs:
+                out.append((a, i))
+                a, rows = i, 0
+            rows += n
+        return out + [(a, len(lens))] if lens else out
+
+    def run_last(self, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
+                 tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
+        """The hidden state of each fresh prompt's last row, [len(lens), H], in as many runs as `groups`
+        needs; None when a prompt exceeds the largest bucket."""
+        groups = self.groups(lens)
+        if groups is None:
+            return None
+        starts = list(itertools.accumulate(lens, initial=0))
+        out = []
+        for a, b in groups:
+            lo, hi = starts[a], starts[b]
+            last = torch.tensor([starts[i + 1] - 1 - lo for i in range(a, b)]).to(embeds.device, non_blocking=True)
+            out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b]).index_select(0, last))
+        return torch.cat(out)
 
     def _capture(self, t: int) -> None:
         if self.graphs is not None and t not in self.graphs:

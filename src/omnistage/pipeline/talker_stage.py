@@ -185,11 +185,12 @@ class TalkerStage(AsyncOutputStep):
 
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden;
-        fresh prompts alone through the prefill graphs."""
+        fresh prompts alone through the prefill graphs (in as many runs as they need)."""
         positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
+        if (self.prefill is not None and max(fb.num_computed) == 0
+                and (out := self.prefill.run_last(fb.inputs, positions, fb.lens, fb.tables)) is not None):
+            return out
         last = to_device(fb.lens, torch.long, self.device).cumsum(0) - 1
-        if self.prefill is not None and max(fb.num_computed) == 0 and self.prefill.fits(fb.lens):
-            return self.prefill.run(fb.inputs, positions, fb.lens, fb.tables).index_select(0, last)
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
             return self.talker(fb.inputs, positions).index_select(0, last)
