@@ -39,7 +39,7 @@ class PenaltyTable:
         if self.counts is not None:
             self.counts[slot].zero_()
         if prompt_ids is not None:
-            self.seen[slot, prompt_ids] = True
+            self.seen[slot, prompt_ids.to(self.seen.device, non_blocking=True)] = True
         return slot
 
     def release(self, slot: int) -> None:

@@ -18,7 +18,7 @@ T = TypeVar("T")
 class TalkerPrompt:
     """The first thinker->talker payload: what the talker prompt is built from."""
 
-    prompt_ids: torch.Tensor  # [L] thinker prompt ids
+    prompt_ids: torch.Tensor  # [L] thinker prompt ids, on the host
     embeds: torch.Tensor  # [L, Ht] thinker input embeddings (encoder rows scattered in)
     mm_hidden: torch.Tensor | None  # [M, Ht] accept-layer hidden rows at the M multimodal positions
 

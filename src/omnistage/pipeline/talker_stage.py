@@ -111,7 +111,7 @@ class TalkerStage(AsyncOutputStep):
         req, p = chunk.request, chunk.prompt
         req.mark("talker_start")
         mm = None if p.mm_hidden is None else arrive(p.mm_hidden, self.device).to(self.dtype)
-        rows = prompt_embeds(self.talker, self.tokens, arrive(p.prompt_ids, self.device),
+        rows = prompt_embeds(self.talker, self.tokens, p.prompt_ids,  # NOTE: host ids: no sync (talker_prompt)
                              arrive(p.embeds, self.device).to(self.dtype), mm,
                              next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
         seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, p.prompt_ids, req.prompt))

@@ -81,10 +81,11 @@ def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], devic
 def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:
     """A request's thinker state: prompt embeddings with its encoder rows, DeepStack rows, positions."""
     p, device = req.prompt, next(thinker.parameters()).device
-    ids = torch.tensor(p.input_ids, device=device)
-    embeds, deepstack = thinker.embed(ids, *media)
-    mm = torch.isin(ids, torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id],
-                                      device=device))
+    # NOTE: ids and their mask stay on the host: on the device, `has_mm` (and the talker's prompt masks)
+    # would each sync with the step in flight; only the embedding lookup reads them there.
+    ids = torch.tensor(p.input_ids)
+    embeds, deepstack = thinker.embed(ids.to(device, non_blocking=True), *media)
+    mm = torch.isin(ids, torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]))
     mrope = mrope_positions(p.input_ids, spec, p.image_grid_thw, p.video_grid_thw, p.video_second_per_grid,
                             p.audio_feature_lens, p.use_audio_in_video)
     return ThinkerSeq(req, ids, embeds, mm, IncrementalDetokenizer(tokenizer, p.input_ids), has_mm=bool(mm.any()),

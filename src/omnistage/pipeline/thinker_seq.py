@@ -16,9 +16,9 @@ from omnistage.models.qwen3_omni.rope_index import MRope
 @dataclass
 class ThinkerSeq:
     req: Request
-    prompt_ids: torch.Tensor  # [L]
+    prompt_ids: torch.Tensor  # [L], on the host
     embeds: torch.Tensor  # [L, H]
-    mm_mask: torch.Tensor  # [L] bool
+    mm_mask: torch.Tensor  # [L] bool, on the host
     detok: IncrementalDetokenizer
     has_mm: bool = False  # the prompt has multimodal placeholders (the talker needs their hidden rows)
     num_computed: int = 0

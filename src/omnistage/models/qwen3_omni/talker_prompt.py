@@ -80,15 +80,20 @@ def assistant_start(prompt_ids: torch.Tensor, tokens: TalkerTokens) -> int:
 def user_rows(talker: nn.Module, tokens: TalkerTokens, prompt_ids: torch.Tensor, thinker_embeds: torch.Tensor,
               mm_hidden: torch.Tensor | None) -> torch.Tensor:
     """Talker rows of the user turns. `thinker_embeds` [L, Ht]: the thinker's input embeddings of the
-    prompt; `mm_hidden` [M, Ht]: accept-layer hidden rows at the prompt's M multimodal positions."""
+    prompt; `mm_hidden` [M, Ht]: accept-layer hidden rows at the prompt's M multimodal positions.
+    `prompt_ids` may stay on the host (the stage keeps them there): the masks are computed beside them."""
     keep = user_mask(prompt_ids, tokens)
     mm = torch.isin(prompt_ids, torch.tensor(tokens.multimodal, device=prompt_ids.device))
+
+    def rows(mask: torch.Tensor) -> torch.Tensor:  # NOTE: no host sync when the ids are on the host
+        return mask.nonzero()[:, 0].to(thinker_embeds.device, non_blocking=True)
+
     out = thinker_embeds.new_empty(int(keep.sum()), talker.text_projection.linear_fc2.out_features)
-    out[~mm[keep]] = talker.text_projection(thinker_embeds[keep & ~mm])
+    out.index_copy_(0, rows(~mm[keep]), talker.text_projection(thinker_embeds.index_select(0, rows(keep & ~mm))))
     if bool((keep & mm).any()):
         if mm_hidden is None or mm_hidden.shape[0] != int(mm.sum()):
             raise ValueError(f"need accept-layer hidden rows for all {int(mm.sum())} multimodal positions")
-        out[mm[keep]] = talker.hidden_projection(mm_hidden[keep[mm]])
+        out.index_copy_(0, rows(mm[keep]), talker.hidden_projection(mm_hidden.index_select(0, rows(keep[mm]))))
     return out
 
 
@@ -100,7 +105,7 @@ def assistant_rows(talker: nn.Module, tokens: TalkerTokens, head_embeds: torch.T
     text = torch.cat([talker.text_projection(head_embeds), pad.expand(4, -1), bos[None], first_text[None]])
     codec_ids = [tokens.codec_nothink, tokens.codec_think_bos, tokens.codec_think_eos, tokens.speaker_id(speaker),
                  tokens.codec_pad, tokens.codec_bos]
-    codec = talker.model.codec_embedding(torch.tensor(codec_ids, device=text.device))
+    codec = talker.model.codec_embedding(torch.tensor(codec_ids).to(text.device, non_blocking=True))
     return text + torch.cat([codec.new_zeros(3, codec.shape[1]), codec])
 
 
