@@ -5,7 +5,8 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from omnistage.server.errors import install_error_handlers
-from omnistage.server.metrics import CONTENT_TYPE, Counter, Histogram, ServerMetrics, install_metrics
+from omnistage.server.metrics import ServerMetrics, install_metrics
+from omnistage.server.prometheus import CONTENT_TYPE, Counter, Histogram
 
 
 def samples(text: str) -> dict[str, float]:
