@@ -12,7 +12,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-import pytest
 from fastapi.testclient import TestClient
 
 from omnistage.config import DEPLOY_DIR, load_deploy_config

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from omnistage.layers import triton_norm, triton_ops
-from omnistage.layers.norm import rms_norm, rms_norm_reference
+from omnistage.layers.norm import rms_norm_reference
 from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from omnistage.layers.sampling import exponential_noise
 from omnistage.models.qwen3_omni.code2wav_conv import SnakeBeta
