@@ -19,6 +19,7 @@ import base64
 import json
 import random
 import re
+import statistics
 import subprocess
 import sys
 import threading
@@ -184,7 +185,8 @@ def run(args: argparse.Namespace) -> dict:
         idle = sample(args.url)
     rss = [s["rss_mb"] for s in samples]
     k = max(1, len(rss) // 5)
-    early, late = sum(rss[k:2 * k]) / k, sum(rss[-k:]) / k  # after warm-up vs the end
+    # NOTE: medians: RSS moves ±100 MB between samples with transient buffers; a leak moves the median
+    early, late = statistics.median(rss[k:2 * k]), statistics.median(rss[-k:])  # after warm-up vs the end
 
     def kv_mean(window: list[dict]) -> dict[str, float]:
         return {s: round(sum(x["kv_in_use"].get(s, 0) for x in window) / len(window), 1)
