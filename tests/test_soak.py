@@ -21,7 +21,9 @@ def test_soak_60s(tmp_path, tiny_dir):  # tiny_dir: the checkpoint exists before
                          text=True, timeout=300)
     assert out.exists(), run.stdout + run.stderr
     summary = json.loads(out.read_text())
-    assert run.returncode == 0 and not summary["unexpected"], summary
+    assert not summary["unexpected"], summary["unexpected"]
+    assert summary["rss_mb"]["growth"] <= 200, summary["rss_mb"]  # the script's --max-rss-growth-mb
+    assert run.returncode == 0, {k: summary[k] for k in ("kv_in_use_idle", "active_idle")}
     outcomes = summary["outcomes"]
     for kind in ("stream", "text", "speech", "drop", "bad", "fault"):
         assert outcomes.get(f"{kind} ok", 0) > 0, outcomes
