@@ -40,7 +40,8 @@ class Request:
 
     def mark(self, phase: str) -> None:
         """Records the time since arrival the first time `phase` is reached (later marks do nothing)."""
-        self.phases.setdefault(phase, time.perf_counter() - self.arrival)
+        if phase not in self.phases:  # NOTE: code2wav marks every chunk: no clock read after the first
+            self.phases[phase] = time.perf_counter() - self.arrival
 
     def part_done(self) -> None:
         """The text (thinker) or the audio (code2wav) is complete; the stream ends after the last part."""

@@ -67,8 +67,7 @@ class TalkerStage(AsyncOutputStep):
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
-        self.last_batch = 0
-        self.async_output, self.pending = async_output, None  # see `step`
+        self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:

@@ -45,8 +45,7 @@ class ThinkerStage(AsyncOutputStep):
         self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
         self.blocks = BlockManager(num_blocks, block_size)
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
-        self.vocab = thinker.lm_head.out_features
-        self.penalties = PenaltyTable(max_batch_size, self.vocab, p.device)
+        self.penalties = PenaltyTable(max_batch_size, thinker.lm_head.out_features, p.device)
         self.runner: ThinkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
         if cuda_graph:
@@ -62,8 +61,7 @@ class ThinkerStage(AsyncOutputStep):
         self.inbox: Inbox[Request] = Inbox()
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
-        self.last_batch = 0
-        self.async_output, self.pending = async_output, None
+        self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
