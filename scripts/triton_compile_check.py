@@ -51,6 +51,22 @@ def experts(h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(128, 2 * i, h, dtype=BF16), torch.empty(128, h, i, dtype=BF16)
 
 
+def decode_attention(attn, heads: int, kv: int, rows: int = 16, width: int = 64) -> object:
+    """One decode step's fused KV write + paged attention, q/k/v as views of one qkv GEMM output as in the model."""
+    q, k, v = torch.empty(rows, heads + 2 * kv, 128, dtype=BF16).split([heads, kv, kv], 1)
+    cache = torch.empty(2, 1024, 16, kv, 128, dtype=BF16)
+    tables = torch.zeros(rows, width, dtype=torch.int32)
+    lens = torch.ones(rows, dtype=torch.int32)
+    return attn.decode_attention_with_kvcache(q, k, v, cache[0], cache[1], lens.long(), tables, lens, 0.088)
+
+
+def static_attention(attn, pos: int, n: int, rows: int = 16) -> object:
+    """The code predictor's pass at `pos` of `n` positions (16 q, 8 kv heads)."""
+    q, k, v = torch.empty(rows * n, 32, 128, dtype=BF16).split([16, 8, 8], 1)
+    cache = torch.empty(2, rows, 16, 8, 128, dtype=BF16)
+    return attn.static_attention_with_kvcache(q, k, v, cache[0], cache[1], pos, rows, 0.088)
+
+
 def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
     """One call per launch shape worth checking (m: the triton_* modules by short name)."""
     norm, ops, act, moe, smp, fmoe = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling", "fused_moe"))
@@ -79,6 +95,10 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
         ("fused_moe thinker", lambda: fmoe.fused_moe(x.repeat(1, 2), *experts(2048, 768), torch.rand(16, 8, dtype=BF16),
                                                       ids)),
         ("fused_moe talker", lambda: fmoe.fused_moe(x, *experts(1024, 384), torch.rand(16, 6, dtype=BF16), ids[:, :6])),
+        ("decode attention thinker", lambda: decode_attention(m["attention"], 32, 4)),
+        ("decode attention talker", lambda: decode_attention(m["attention"], 16, 2)),
+        ("static attention, first pass", lambda: static_attention(m["attention"], 0, 2)),
+        ("static attention, pass 5", lambda: static_attention(m["attention"], 5, 1)),
         ("sample, greedy", lambda: smp.fused_sample(logits, greedy, steps)),
         ("sample, penalties", lambda: smp.fused_sample(logits, sampled, steps, seen, seen.int(), seen[0])),
     ]

@@ -4,7 +4,9 @@
 k/v into its paged cache (`k_cache/v_cache [num_blocks, block_size, KV, D]`, attached by
 `allocate_kv_cache`) at `slot_mapping`, then attends each sequence's new tokens to its whole context
 through its block table. `paged_attention` is the ONE place that picks the backend:
-- decode steps (one new token per sequence), any device: `paged_decode_attention`, one batched SDPA;
+- decode steps (one new token per sequence) on the fast path (CUDA): `Attention.forward` writes the k/v and
+  attends in one Triton kernel (`triton_attention.decode_attention_with_kvcache`, cost per row's length);
+- other decode steps: `paged_decode_attention`, one batched SDPA;
 - prefill on CUDA in fp16/bf16 with a flash-supported head_dim: `paged_prefill_attention`, the batch's
   context K/V gathered once through `ForwardContext.kv_slots`, then one varlen flash-attention call
   (`varlen_attention`) for all sequences;
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.layers import triton_attention, triton_ops
 from omnistage.layers.context import ForwardContext, get_context
 
 VarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float],
@@ -119,8 +122,7 @@ def flash_prefill_supported(q: torch.Tensor, ctx: ForwardContext) -> bool:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,
                     scale: float) -> torch.Tensor:
-    """Backend choice (see the module docstring).
-    NOTE: a CUDA kernel whose decode cost follows each sequence's real length plugs in here."""
+    """Backend choice after `store_kvcache` (see the module docstring)."""
     if not ctx.is_prefill:
         return paged_decode_attention(q, k_cache, v_cache, ctx, scale)
     if flash_prefill_supported(q, ctx):
@@ -140,6 +142,9 @@ class Attention(nn.Module):
         if self.k_cache.numel() == 0:
             raise RuntimeError("no KV cache attached: call allocate_kv_cache(model, ...) first")
         ctx = get_context()
+        if not ctx.is_prefill and triton_ops.fast_path(q):
+            return triton_attention.decode_attention_with_kvcache(
+                q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, self.scale)
         store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return paged_attention(q, self.k_cache, self.v_cache, ctx, self.scale)
 

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from omnistage.layers import triton_attention, triton_ops
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.models.qwen3_omni.decoder import DecoderConfig, DecoderModel
 
@@ -43,6 +44,8 @@ class StaticKVAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         p, b = self.step.pos, self.step.rows
         n = q.shape[0] // b
+        if triton_ops.fast_path(q):
+            return triton_attention.static_attention_with_kvcache(q, k, v, self.k_cache, self.v_cache, p, b, self.scale)
         self.k_cache[:b, p:p + n] = k.view(b, n, self.num_kv_heads, self.head_dim)
         self.v_cache[:b, p:p + n] = v.view(b, n, self.num_kv_heads, self.head_dim)
         keys, values = self.k_cache[:b, :p + n].transpose(1, 2), self.v_cache[:b, :p + n].transpose(1, 2)
