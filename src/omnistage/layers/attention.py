@@ -3,9 +3,10 @@
 `Attention` receives already projected, normed and rotated `q [T, H, D]`, `k/v [T, KV, D]`, writes
 k/v into its paged cache (`k_cache/v_cache [num_blocks, block_size, KV, D]`, attached by
 `allocate_kv_cache`) at `slot_mapping`, then attends each sequence's new tokens to its whole context
-through its block table. `paged_attention` is the ONE place that picks the backend:
-- decode steps (one new token per sequence) on the fast path (CUDA): `Attention.forward` writes the k/v and
-  attends in one Triton kernel (`triton_attention.decode_attention_with_kvcache`, cost per row's length);
+through its block table. `Attention.forward` picks the fused decode kernel, otherwise `paged_attention`
+picks the backend:
+- decode steps (one new token per sequence) on the fast path (CUDA): k/v written and attended in one Triton
+  kernel (`triton_attention.decode_attention_with_kvcache`, cost per row's length);
 - other decode steps: `paged_decode_attention`, one batched SDPA;
 - prefill on CUDA in fp16/bf16 with a flash-supported head_dim: `paged_prefill_attention`, the batch's
   context K/V gathered once through `ForwardContext.kv_slots`, then one varlen flash-attention call

@@ -101,8 +101,8 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
             tables: torch.Tensor | None = None, lens: torch.Tensor | None = None) -> torch.Tensor:
     heads, d = q.shape[1], q.shape[2]
     kv = k.shape[1]
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or not k_cache.is_contiguous():
-        raise ValueError("q/k/v need unit-stride head dims and the cache must be contiguous")
+    if any(t.stride(2) != 1 for t in (q, k, v)) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("q/k/v need unit-stride head dims and the caches must be contiguous")
     group = heads // kv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_with_kvcache_kernel[(rows, kv)](
