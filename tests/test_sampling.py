@@ -157,3 +157,24 @@ def test_presence_frequency_penalties_and_record():
     st = SamplingTensors.build([P(presence_penalty=0.5, frequency_penalty=0.25)] * 2, [0, 0])
     view, _ = process_logits(logits, st, counts=counts)
     assert view[0, 3] == pytest.approx(-1.0) and view[1, 4] == pytest.approx(-0.75) and view[0, 4] == 0
+
+
+def test_build_fills_missing_fields_with_neutral_values() -> None:
+    st = SamplingTensors.build([P(temperature=0.5, top_k=3), P()], [7, 2**62 - 1])
+    assert st.temperature.tolist() == [0.5, 0.0] and st.top_k.tolist() == [3, 0] and st.top_p.tolist() == [1, 1]
+    assert st.repetition_penalty.tolist() == [1, 1] and st.seeds.tolist() == [7, 2**62 - 1]
+    assert not st.all_greedy and st.need_truncation
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA only")
+def test_build_on_cuda_does_not_wait_for_the_device() -> None:
+    # a blocking host-to-device copy would wait for the step in flight (the eager thinker step's sampling)
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        busy @ busy
+        st = SamplingTensors.build([P(temperature=0.5, top_k=3)] * 2, [1, 2], "cuda")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert st.top_k.is_cuda and st.top_k.tolist() == [3, 3] and st.seeds.tolist() == [1, 2]

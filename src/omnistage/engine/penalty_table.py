@@ -39,7 +39,8 @@ class PenaltyTable:
         if self.counts is not None:
             self.counts[slot].zero_()
         if prompt_ids is not None:
-            self.seen[slot, prompt_ids.to(self.seen.device, non_blocking=True)] = True
+            # NOTE: index_fill_, not `seen[slot, ids] = True`: setitem copies the scalar to the device blocking
+            self.seen[slot].index_fill_(0, prompt_ids.to(self.seen.device, non_blocking=True), True)
         return slot
 
     def release(self, slot: int) -> None:

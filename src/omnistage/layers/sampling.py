@@ -19,6 +19,9 @@ import torch
 from omnistage.layers import triton_ops, triton_sampling
 
 _M32 = 0xFFFFFFFF
+# (field, neutral value) of the float parameters, in the order the graph runners' static buffers keep them
+FLOAT_FIELDS = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
+                ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
 
 
 @dataclass
@@ -40,20 +43,15 @@ class SamplingTensors:
     @classmethod
     def build(cls, params: Sequence[Any], seeds: Sequence[int], device: torch.device | str = "cpu"
               ) -> SamplingTensors:
-        """From per-row parameter objects (missing fields take neutral values) and per-row seeds."""
-        def col(name: str, default: float, dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor([getattr(p, name, default) for p in params], dtype=dtype, device=device)
-
+        """From per-row parameter objects (missing fields take neutral values) and per-row seeds.
+        NOTE: built on the host, then two non_blocking copies: a blocking copy would wait for the step in
+        flight on the device's stream."""
+        floats = torch.tensor([[getattr(p, f, d) for p in params] for f, d in FLOAT_FIELDS], dtype=torch.float32)
+        ints = torch.tensor([[getattr(p, "top_k", 0) for p in params], list(seeds)], dtype=torch.int64)
+        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
         sampled = [p for p in params if getattr(p, "temperature", 0.0) > 0]
         return cls(
-            temperature=col("temperature", 0.0, torch.float32),
-            top_k=col("top_k", 0, torch.int64),
-            top_p=col("top_p", 1.0, torch.float32),
-            min_p=col("min_p", 0.0, torch.float32),
-            repetition_penalty=col("repetition_penalty", 1.0, torch.float32),
-            presence_penalty=col("presence_penalty", 0.0, torch.float32),
-            frequency_penalty=col("frequency_penalty", 0.0, torch.float32),
-            seeds=torch.tensor(list(seeds), dtype=torch.int64, device=device),
+            **{f: floats[i] for i, (f, _) in enumerate(FLOAT_FIELDS)}, top_k=ints[0], seeds=ints[1],
             all_greedy=not sampled,
             need_truncation=any(getattr(p, "top_k", 0) > 0 or getattr(p, "top_p", 1.0) < 1
                                 or getattr(p, "min_p", 0.0) > 0 for p in sampled),

@@ -22,9 +22,9 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context
-from omnistage.layers.sampling import SamplingTensors
+from omnistage.layers.sampling import FLOAT_FIELDS, SamplingTensors
 
-_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
 _INTS = ("seeds", "top_k")  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 

@@ -177,8 +177,8 @@ class TalkerStage(AsyncOutputStep):
         if self.runner is not None and not decode and (out := self.runner.run_head(hidden, fb)) is not None:
             return out
         st = SamplingTensors.build(fb.params, fb.seeds, self.device)
-        frame_index = torch.tensor(fb.frame_index, device=self.device)
-        ignore_eos = torch.tensor([p.ignore_eos for p in fb.params], device=self.device)
+        frame_index = to_device(fb.frame_index, torch.long, self.device)
+        ignore_eos = to_device([p.ignore_eos for p in fb.params], torch.bool, self.device)
         return self.penalties.update_seen(to_device(fb.slots, torch.long, self.device),
                                           lambda seen: self.talker.head(hidden, st, frame_index, seen, ignore_eos))
 

@@ -20,10 +20,10 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context, to_device
-from omnistage.layers.sampling import SamplingTensors, sample
+from omnistage.layers.sampling import FLOAT_FIELDS, SamplingTensors, sample
 from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
-_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+_FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
 _INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 

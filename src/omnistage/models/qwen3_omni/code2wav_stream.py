@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnistage.layers.context import to_device
 from omnistage.models.qwen3_omni.code2wav import Code2Wav
 
 
@@ -99,7 +100,7 @@ class Code2WavStreamer:
             groups.setdefault((codes.shape[-1], state.frames == 0), []).append(i)
         out: list[torch.Tensor] = [None] * len(items)
         for (n, first), idx in groups.items():
-            slots = torch.tensor([items[i][0].slot for i in idx], device=self.cache.pos.device)
+            slots = to_device([items[i][0].slot for i in idx], torch.long, self.cache.pos.device)
             wav = self.decode_group(slots, torch.stack([items[i][1] for i in idx]), first)
             for row, i in enumerate(idx):
                 out[i] = wav[row, 0]
