@@ -16,7 +16,7 @@
 # Other knobs: BENCH_PYTHON, BENCH_PORT, BENCH_START_TIMEOUT, BENCH_HF_RESERVE (seconds kept for the peer),
 # BENCH_EXTRA_CONCURRENCY, BENCH_WARMUP, BENCH_SEED, BENCH_WHEELS (the wheel folder, default .whl),
 # BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json),
-# BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C (ablation rows, see below; empty: none),
+# BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C / BENCH_ABLATION_P (ablation rows, see below; empty: none),
 # BENCH_STAGE_OVERRIDES (the main server's --stage-overrides JSON, e.g. a two-GPU layout),
 # BENCH_STEADY_C / BENCH_STEADY_S (rows at these concurrencies with 10 x c requests each, the vLLM-Omni blog's
 # load, after the P=160 sweep, in BENCH_STEADY_S seconds; empty: none).
@@ -97,7 +97,7 @@ for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false
 done
 [[ $up == 1 ]] || exit 1  # no server: spend no more device time
 
-# Ablation rows (after the sweep, P=160 at c=BENCH_ABLATION_C, each on its own server):
+# Ablation rows (after the sweep, P=BENCH_ABLATION_P (160) at c=BENCH_ABLATION_C (64), each on its own server):
 #   BENCH_ABLATION='name|stage overrides JSON|deploy overrides JSON;...'   e.g. the default below.
 ABLATION=${BENCH_ABLATION-"batching only|$NO_GRAPHS|{\"async_chunk\": false};+ CUDA graphs||{\"async_chunk\": false}"}
 IFS=';' read -ra ROWS <<< "$ABLATION"
@@ -134,8 +134,8 @@ for row in "${ROWS[@]}"; do
     ${deploy:+--deploy-overrides "$deploy"} || continue
   budget=$((end - SECONDS))
   [[ $budget -gt $(($(left) - HF_RESERVE)) ]] && budget=$(($(left) - HF_RESERVE))
-  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens 160 --concurrency "${BENCH_ABLATION_C:-64}" \
-    --num-prompts "${BENCH_ABLATION_N:-64}" --warmup 0 --time-budget "$budget" --variant "$name" "${COMMON[@]}"
+  "$PY" -m omnistage.cli bench --base-url "$URL" --prompt-tokens "${BENCH_ABLATION_P:-160}" \
+    --concurrency "${BENCH_ABLATION_C:-64}" --num-prompts "${BENCH_ABLATION_N:-64}" --warmup 0 --time-budget "$budget" --variant "$name" "${COMMON[@]}"
   stop_server
   echo "[$((SECONDS - T0)) s] ablation '$name' done"
 done
