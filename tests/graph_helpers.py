@@ -1,5 +1,6 @@
 """Shared by the decode-runner tests: KV snapshots, a spy that checks every runner forward writes only
-the live rows' slots and the scratch slot, and CUDA-graph capture emulated on the CPU."""
+the live rows' slots and the scratch slot, CUDA-graph capture emulated on the CPU, and the audio packet
+sizes a stream gets (engine, server and code2wav tests)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,8 @@ import time
 from collections.abc import Callable, Iterator
 
 import torch
+
+from omnistage.config import packet_frames
 
 
 def kv(model: torch.nn.Module) -> torch.Tensor:
@@ -85,3 +88,12 @@ def add_and_abort(engine, n: int, make: Callable[[int], object], rng: random.Ran
         req = make(i)
         engine.add_request(req)
         threading.Timer(rng.uniform(0, within), engine.abort, args=(req.request_id,)).start()
+
+
+def packet_sizes(frames: int, initial: int, cap: int, growth: bool) -> list[int]:
+    """Frames per audio packet of a stream of `frames` frames, as `packet_frames` schedules them (the last
+    one may be shorter)."""
+    sizes: list[int] = []
+    while (done := sum(sizes)) < frames:
+        sizes.append(min(packet_frames(done, initial, cap, growth), frames - done))
+    return sizes

@@ -1,6 +1,7 @@
 """Code2Wav's chunk-step runner (static buffers, batch buckets x chunk shapes; CUDA graphs on CUDA) against
-the eager stage, on the CPU: same samples and exact chunk sizes for requests joining, finishing and
-aborting at different times; padding rows touch only the scratch row of the stream cache."""
+the eager stage, on the CPU: same samples and exact chunk sizes (the growing packet schedule) for requests
+joining, finishing and aborting at different times; shorter last chunks padded into larger shapes; padding
+rows touch only the scratch row of the stream cache."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config import default_deploy_config, later_packet_frames, load_deploy_config, packet_frames
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.code2wav_stream import StreamState
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
@@ -24,7 +25,7 @@ from omnistage.outputs import OutputDelta
 from omnistage.pipeline.code2wav_stage import Code2WavStage
 from omnistage.pipeline.connector import FrameChunk
 
-from graph_helpers import EmulatedGraphs
+from graph_helpers import EmulatedGraphs, packet_sizes
 
 INITIAL, CHUNK, MAX_BATCH = 4, 5, 8
 SAMPLES, TAIL = 1920, 555
@@ -94,19 +95,18 @@ def drive(stage: Code2WavStage, plan: list = PLAN) -> Run:
     raise AssertionError("the plan did not finish")
 
 
-def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> Code2WavStage:
-    return Code2WavStage(model(), max_batch_size=MAX_BATCH, initial_chunk_frames=INITIAL, chunk_frames=CHUNK,
-                         cuda_graph=graph, graph_batch_sizes=sizes)
+def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
+          chunk: int = CHUNK) -> Code2WavStage:
+    return Code2WavStage(model(), max_batch_size=MAX_BATCH, initial_chunk_frames=initial, chunk_frames=chunk,
+                         chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes)
 
 
 @functools.cache
-def eager() -> Run:
-    return drive(stage(False))
+def eager(growth: bool = True) -> Run:
+    return drive(stage(False, growth=growth))
 
 
-def chunk_samples(frames: int) -> list[int]:
-    first, rest = min(INITIAL, frames), frames - min(INITIAL, frames)
-    sizes = [first] + [CHUNK] * (rest // CHUNK) + [rest % CHUNK] * (rest % CHUNK > 0)
+def samples(sizes: list[int]) -> list[int]:
     return [n * SAMPLES - (TAIL if i == 0 else 0) for i, n in enumerate(sizes)]
 
 
@@ -116,23 +116,24 @@ def states(cache) -> list[torch.Tensor]:
 
 @contextlib.contextmanager
 def spy(runner) -> Iterator[list]:
-    """Records (live rows, batch bucket, first) of every forward (warm-up, capture, step) and checks that
-    it changed no cache row but its live streams' slots and the scratch row."""
+    """Records (live rows, batch bucket, shape (n, first), the live chunks' lengths) of every forward
+    (warm-up, capture, step) and checks that it changed no cache row but its live streams' slots and the
+    scratch row."""
     steps, live, cache = [], {}, runner.streamer.cache
     run_group, forward = runner._run_group, runner._forward
 
-    def spy_run_group(first, group):
-        live["slots"] = {s.slot for s, _ in group}
-        return run_group(first, group)
+    def spy_run_group(shape, group):
+        live["slots"], live["lens"] = {s.slot for s, _ in group}, [c.shape[-1] for _, c in group]
+        return run_group(shape, group)
 
-    def spy_forward(b, first):
+    def spy_forward(b, shape):
         before = [t.clone() for t in states(cache)]
-        out = forward(b, first)
+        out = forward(b, shape)
         changed = set()
         for old, new in zip(before, states(cache)):
             changed |= set((old != new).reshape(len(old), -1).any(1).nonzero()[:, 0].tolist())
         assert changed <= live["slots"] | {cache.scratch}, f"wrote rows {changed - live['slots']}"
-        steps.append((len(live["slots"]), b, first))
+        steps.append((len(live["slots"]), b, shape, live["lens"]))
         return out
 
     runner._run_group, runner._forward = spy_run_group, spy_forward
@@ -142,17 +143,18 @@ def spy(runner) -> Iterator[list]:
         del runner._run_group, runner._forward
 
 
-@pytest.mark.parametrize("graphs,sizes", [(None, (1, 2, 4, 8)), (EmulatedGraphs, (1, 2, 4, 8)),
-                                          (EmulatedGraphs, (1, 3))])
-def test_runner_equals_the_eager_stage(graphs, sizes) -> None:
-    st = stage(True, sizes)
+@pytest.mark.parametrize("graphs,sizes,growth", [
+    (None, (1, 2, 4, 8), True), (EmulatedGraphs, (1, 2, 4, 8), True), (EmulatedGraphs, (1, 3), True),
+    (EmulatedGraphs, (1, 3), False)])
+def test_runner_equals_the_eager_stage(graphs, sizes, growth) -> None:
+    st = stage(True, sizes, growth)
     st.runner.graphs = graphs and graphs()
     cache = st.streamer.cache
     for t in states(cache)[1:]:  # live rows never read the scratch row: NaN there would reach their samples
         t[cache.scratch] = float("nan")
     with spy(st.runner) as steps:
         ran = drive(st)
-    ref = eager()
+    ref = eager(growth)
     for (_, frames, abort), a, b, codes in zip(PLAN, ran.reqs, ref.reqs, ref.codes):
         assert len(a.deltas) == len(b.deltas) and a.done == (abort is None)
         for x, y in zip(a.deltas, b.deltas):
@@ -161,14 +163,17 @@ def test_runner_equals_the_eager_stage(graphs, sizes) -> None:
         got = np.concatenate([d.codes for d in a.deltas], 1)
         assert np.array_equal(got, codes[:got.shape[1]].T.numpy())
         if abort is None:
-            assert [d.audio.size for d in a.deltas] == chunk_samples(frames) and got.shape[1] == frames
+            packets = packet_sizes(frames, INITIAL, CHUNK, growth)
+            assert [d.audio.size for d in a.deltas] == samples(packets) and got.shape[1] == frames
     assert not st.seqs and len(cache.free_slots) == MAX_BATCH
     first_kv = next(iter(cache.states.values()))
     assert not torch.isnan(first_kv[cache.scratch]).all()  # padding rows wrote the scratch row
     top = max(sizes)
-    assert len(steps) >= 20 and all(b == top for n, b, _ in steps if n > top)  # groups past the top split
-    assert any(b > n for n, b, _ in steps)  # padded batches
-    assert len({b for _, b, _ in steps}) == len(sizes) and {f for _, _, f in steps} == {True, False}
+    assert len(steps) >= 20 and all(b == top for n, b, _, _ in steps if n > top)  # groups past the top split
+    assert any(b > n for n, b, _, _ in steps)  # padded batches
+    assert len({b for _, b, _, _ in steps}) == len(sizes)
+    assert {s for _, _, s, _ in steps} == set(st.runner.codes)  # every shape ran
+    assert any(min(lens) < n for _, _, (n, _), lens in steps if lens)  # shorter last chunks padded
 
 
 def test_an_aborted_stream_frees_its_slot_for_the_next() -> None:
@@ -193,6 +198,8 @@ def test_chunks_must_fit_their_shape() -> None:
         runner.run([(state, codes)], [True])
     with pytest.raises(ValueError, match="later chunk of 3 frames"):
         runner.run([(StreamState(slot=0, frames=4), codes[:, :3])], [False])
+    with pytest.raises(ValueError, match="later chunk of 5 frames does not fit 4"):  # growth: 4 after 4
+        runner.run([(StreamState(slot=0, frames=4), codes)], [False])
 
 
 def test_deploy_config_switches_the_runner_on() -> None:
@@ -205,7 +212,7 @@ def test_deploy_config_switches_the_runner_on() -> None:
     o = Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, code2wav=c2w)), device="cpu")
     st = o.engine.code2wavs[0]
     runner = st.runner
-    assert runner is not None and runner.batch_sizes == [1, 2] and runner.frames == {True: 2, False: 3}
+    assert runner is not None and runner.batch_sizes == [1, 2] and runner.shapes == {True: [2], False: [2, 3]}
     out = {}
     try:
         for on in (True, False):
@@ -233,17 +240,55 @@ def test_first_chunks_go_before_later_chunks(graph: bool) -> None:
     assert [len(a.deltas), len(b.deltas), st.last_batch] == [1, 1, 1]
     assert len(b.deltas[0].audio) == INITIAL * SAMPLES - TAIL
     st.step()
-    assert [len(a.deltas), len(b.deltas)] == [2, 1] and len(a.deltas[1].audio) == CHUNK * SAMPLES
+    # growth: a's second chunk is as long as its first (the audio before it), not CHUNK
+    assert [len(a.deltas), len(b.deltas)] == [2, 1] and len(a.deltas[1].audio) == INITIAL * SAMPLES
 
 
 def test_capture_at_start_then_replay() -> None:
     st = stage(True)
     st.runner.graphs = EmulatedGraphs()
-    st.runner.capture()  # every (batch bucket, first / later chunk) graph, on padding rows only
+    st.runner.capture()  # every (batch bucket, chunk shape) graph, on padding rows only
     assert set(st.runner.graphs.fns) == {(b, n, first) for b in (1, 2, 4, 8)
-                                         for n, first in ((INITIAL, True), (CHUNK, False))}
+                                         for n, first in ((INITIAL, True), (INITIAL, False), (CHUNK, False))}
     ran, ref = drive(st), eager()
     for a, b in zip(ran.reqs, ref.reqs):
         assert len(a.deltas) == len(b.deltas)
         for x, y in zip(a.deltas, b.deltas):
             np.testing.assert_allclose(x.audio, y.audio, rtol=0, atol=1e-6)
+
+
+def test_packet_schedule() -> None:
+    assert [packet_frames(e, 2, 25, True) for e in (0, 2, 4, 8, 16, 32, 57)] == [2, 2, 4, 8, 16, 25, 25]
+    assert packet_sizes(132, 2, 25, True) == [2, 2, 4, 8, 16, 25, 25, 25, 25]
+    assert packet_sizes(79, 4, 25, False) == [4, 25, 25, 25] and packet_sizes(40, 2, 25, True)[-1] == 8
+    assert later_packet_frames(2, 25, True) == [2, 4, 8, 16, 25] and later_packet_frames(4, 25, False) == [25]
+    assert later_packet_frames(4, 3, True) == [3]
+
+
+GROWING = {43: [2, 2, 4, 8, 16, 11], 40: [2, 2, 4, 8, 16, 8], 3: [2, 1], 1: [1]}  # frames -> packets
+
+
+def test_growing_packets_are_exact() -> None:
+    """Initial 2, cap 25, growth: packets of exactly the schedule's frames and samples, eager and through the
+    runner; shorter last chunks (11, 1 later, 1 first) run padded in the next larger shape."""
+    plan = [(0, n, None) for n in GROWING]
+    ran = {}
+    for graph in (False, True):
+        st = stage(graph, (1, 2, 4), initial=2, chunk=25)
+        if graph:
+            st.runner.graphs = EmulatedGraphs()
+            assert st.runner.shapes == {True: [2], False: [2, 4, 8, 16, 25]}
+            with spy(st.runner) as steps:
+                ran[graph] = drive(st, plan)
+        else:
+            ran[graph] = drive(st, plan)
+    padded = {(shape, n) for _, _, shape, lens in steps for n in lens if n < shape[0]}
+    assert padded == {((16, False), 11), ((2, False), 1), ((2, True), 1)}
+    for (frames, packets), a, b, codes in zip(GROWING.items(), ran[True].reqs, ran[False].reqs, ran[True].codes):
+        for req in (a, b):
+            assert [d.codes.shape[1] for d in req.deltas] == packets == packet_sizes(frames, 2, 25, True)
+            assert [d.audio.size for d in req.deltas] == samples(packets) and req.done
+        for x, y in zip(a.deltas, b.deltas):
+            np.testing.assert_allclose(x.audio, y.audio, rtol=0, atol=1e-6)  # measured: 3.3e-7
+        alone = model()(codes.T[None])[0, 0].numpy()
+        np.testing.assert_allclose(np.concatenate([d.audio for d in a.deltas]), alone, rtol=0, atol=1e-6)

@@ -14,15 +14,16 @@ from omnistage.config import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
-from graph_helpers import add_and_abort, settle
+from graph_helpers import add_and_abort, packet_sizes, settle
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two, three, four, five."]
 
 
 @functools.cache
-def omni(initial: int = 4, chunk: int = 25, replicas: int = 1) -> Omni:
+def omni(initial: int = 4, chunk: int = 25, replicas: int = 1, growth: bool = True) -> Omni:
     d = tiny_checkpoint("tiny")
-    overrides = {"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk},
+    overrides = {"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk,
+                               "codec_chunk_growth": growth},
                  "stages": {"talker": {"replicas": replicas}, "code2wav": {"replicas": replicas}}}
     return Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu", overrides=overrides),
                 device="cpu")
@@ -37,9 +38,9 @@ def greedy(tokens: int, frames: int) -> dict:
                 talker_sampling={"temperature": 0, "max_frames": frames, "ignore_eos": True})
 
 
-@pytest.mark.parametrize("initial,chunk", [(1, 7), (2, 25), (4, 3), (4, 25)])
-def test_stream_chunks_are_sample_exact(initial: int, chunk: int) -> None:
-    o = omni(initial, chunk)
+@pytest.mark.parametrize("initial,chunk,growth", [(1, 7, False), (2, 25, True), (4, 3, True), (4, 25, True)])
+def test_stream_chunks_are_sample_exact(initial: int, chunk: int, growth: bool) -> None:
+    o = omni(initial, chunk, growth=growth)
     deltas = []
     req = o.engine.make_request("r", conv(1), None, want_audio=True, voice="Aiden", emit=deltas.append,
                                 **greedy(8, 33))
@@ -47,7 +48,7 @@ def test_stream_chunks_are_sample_exact(initial: int, chunk: int) -> None:
     o.engine.wait(["r"])
     chunks = [d for d in deltas if d.audio is not None]
     frames = [d.codes.shape[1] for d in chunks]
-    assert sum(frames) == 33 and frames[0] == initial and all(f == chunk for f in frames[1:-1])
+    assert frames == packet_sizes(33, initial, chunk, growth)  # (2, 25, True): 2, 2, 4, 8, 16, 1
     assert [len(d.audio) for d in chunks] == [f * 1920 - (555 if i == 0 else 0) for i, f in enumerate(frames)]
     codes = np.concatenate([d.codes for d in chunks], 1)
     with torch.no_grad():
@@ -221,5 +222,5 @@ def test_stage_step_counters() -> None:
     d = {s: {k: after[s][k] - before[s][k] for k in ("steps", "step_rows", "busy_seconds")} for s in after}
     assert d["talker"]["steps"] == d["talker"]["step_rows"] == 13  # one frame per step: the prefill, 12 decodes
     assert d["thinker"]["steps"] == 7 and d["thinker"]["step_rows"] == 7  # whole prompt in one step + 6 decodes
-    assert d["code2wav"]["step_rows"] == 4  # chunks of 2, 5, 5, 1 frames
+    assert d["code2wav"]["step_rows"] == 4  # chunks of 2, 2, 4, 5 frames
     assert all(d[s]["busy_seconds"] > 0 for s in d)

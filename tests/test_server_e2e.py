@@ -15,11 +15,14 @@ from pathlib import Path
 import httpx
 import numpy as np
 
+from omnistage.config import DEPLOY_DIR, load_deploy_config
 from omnistage.server.speech import SPEECH_SYSTEM_PROMPT
+from graph_helpers import packet_sizes
 from serve_process import MODEL, USER, samples, wav_samples
 
 pytest_plugins = ["serve_fixtures"]
-FRAMES = 12  # first audio chunk after 4 frames, the rest at the end: two chunks per request
+FRAMES = 12  # audio packets of 2, 2, 4, 4 frames (the deploy config's growing schedule)
+CONNECTOR = load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", "cpu").connector
 SHORT = {"max_tokens": 6, "extra_body": {"max_audio_frames": FRAMES}}
 README = Path(__file__).parents[1] / "README.md"
 
@@ -76,7 +79,10 @@ def test_stream_equals_whole_with_same_seed(client):
     streamed = np.frombuffer(pcm, "<i2")
     assert streamed.size == samples(frames)
     assert np.array_equal(streamed, wav_samples(base64.b64decode(whole.choices[0].message.audio.data)))
-    assert len(audio) == 1 + (frames > 4)  # chunks as produced, the id on the first only
+    packets = packet_sizes(frames, CONNECTOR.initial_codec_chunk_frames, CONNECTOR.codec_chunk_frames,
+                           CONNECTOR.codec_chunk_growth)
+    sizes = [len(base64.b64decode(a["data"])) // 2 for a in audio]  # as produced, the id on the first only
+    assert sizes == [samples(n) if i == 0 else n * 1920 for i, n in enumerate(packets)]
     assert audio[0]["id"].startswith("audio_") and all(a.get("id") is None for a in audio[1:])
 
 

@@ -1,5 +1,5 @@
-"""Code2Wav stage: stateful streaming decode batched across requests; a first chunk of
-`initial_codec_chunk_frames`, then `codec_chunk_frames`; every frame decoded once; one host sync per step."""
+"""Code2Wav stage: stateful streaming decode batched across requests; chunks (audio packets) as
+`config.packet_frames` schedules them; every frame decoded once; one host sync per step."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.config import StageConfig
+from omnistage.config import StageConfig, packet_frames
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.code2wav_runner import Code2WavGraphRunner
@@ -26,17 +26,18 @@ class WavSeq:
 
 class Code2WavStage:
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, initial_chunk_frames: int = 4,
-                 chunk_frames: int = 25, cuda_graph: bool = False,
+                 chunk_frames: int = 25, chunk_growth: bool = True, cuda_graph: bool = False,
                  graph_batch_sizes: Sequence[int] = ()) -> None:
-        """`cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
+        """Chunks of `packet_frames(emitted, initial_chunk_frames, chunk_frames, chunk_growth)` frames.
+        `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere)."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
+        self.schedule = (initial_chunk_frames, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = Code2WavGraphRunner(self.streamer, sizes, initial_chunk_frames, chunk_frames)
-        self.initial, self.chunk = initial_chunk_frames, chunk_frames
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, *self.schedule)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
         self.max_batch_size = max_batch_size
@@ -76,7 +77,7 @@ class Code2WavStage:
                 seq.pending.append(arrive(chunk.frame, self.device))
 
     def _target(self, seq: WavSeq) -> int:
-        return self.initial if seq.state.frames == 0 else self.chunk
+        return packet_frames(seq.state.frames, *self.schedule)
 
     @torch.no_grad()
     def step(self) -> bool:
