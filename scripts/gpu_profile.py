@@ -55,24 +55,24 @@ def with_fused(enabled: bool, runners: list) -> None:
 
 def code2wav_steps(omni: Omni, sizes: list[int]) -> dict:
     r = omni.engine.code2wavs[0].runner
-    dev = r.codes[True].device
+    dev = r.streamer.cache.pos.device
     out: dict = {}
     for b in sizes:
-        for first in (True, False):
-            r._capture(b, first)
-            key = (b, r.frames[first], first)
-            out[f"b{b}_{'first' if first else 'later'}_ms"] = time_steps(lambda: r.graphs.replay(key), dev, 5)
+        for n, first in r.codes:
+            r._capture(b, (n, first))
+            key = (b, n, first)
+            out[f"b{b}_{'first' if first else 'later'}{n}_ms"] = time_steps(lambda: r.graphs.replay(key), dev, 5)
     return out
 
 
 def code2wav_report(omni: Omni, sizes: list[int]) -> dict:
     r = omni.engine.code2wavs[0].runner
-    dev = r.codes[True].device
+    dev, later = r.streamer.cache.pos.device, (r.shapes[False][-1], False)
     res = {"graph_fused": code2wav_steps(omni, sizes)}
-    res["profile_b16_later"] = top_kernels(lambda: r._forward(16, False), dev)
+    res["profile_b16_later"] = top_kernels(lambda: r._forward(16, later), dev)
     with_fused(False, [r])
     res["graph_unfused"] = code2wav_steps(omni, sizes)
-    res["profile_b16_later_unfused"] = top_kernels(lambda: r._forward(16, False), dev, 8)
+    res["profile_b16_later_unfused"] = top_kernels(lambda: r._forward(16, later), dev, 8)
     with_fused(True, [r])
     torch.backends.cudnn.benchmark = True
     r.graphs = CUDAGraphs()
