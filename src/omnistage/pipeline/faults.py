@@ -45,6 +45,17 @@ class StepFaults:
         return out
 
 
+def together(fn: Callable[..., T], *args: Any) -> T | None:
+    """`fn(*args)` for several requests at once; None when it fails, blaming none of them: the caller then
+    handles each request alone, so that only the one at fault fails."""
+    try:
+        return fn(*args)
+    except FATAL_ERRORS:
+        raise
+    except Exception:
+        return None
+
+
 def is_fatal(error: BaseException) -> bool:
     return isinstance(error, FATAL_ERRORS) or not isinstance(error, Exception)
 

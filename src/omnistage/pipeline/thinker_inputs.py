@@ -16,7 +16,7 @@ from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, mrope_positions
-from omnistage.pipeline.faults import FATAL_ERRORS
+from omnistage.pipeline.faults import together
 from omnistage.pipeline.thinker_seq import ThinkerSeq
 
 
@@ -68,14 +68,7 @@ def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], devic
                     dtype: torch.dtype) -> list[Media] | None:
     """`encode_media` for several prompts at once; None for a single prompt or when it fails (each
     request is then encoded alone, so that only the one at fault fails)."""
-    if len(prompts) < 2:
-        return None
-    try:
-        return encode_media(thinker, prompts, device, dtype)
-    except FATAL_ERRORS:
-        raise
-    except Exception:  # NOTE: not blamed here: encoding each request alone finds the one at fault
-        return None
+    return together(encode_media, thinker, prompts, device, dtype) if len(prompts) > 1 else None
 
 
 def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:
