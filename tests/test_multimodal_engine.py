@@ -178,7 +178,7 @@ def test_parity_on_unseen_shapes(tmp_path) -> None:
     o = Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu"), device="cpu", seed=5)
     talker, sent = o.engine.talkers[0], []
     admit = talker._admit
-    talker._admit = lambda chunk: (sent.append(chunk.prompt), admit(chunk))[1]
+    talker._admit = lambda chunk, *rest: (sent.append(chunk.prompt), admit(chunk, *rest))[1]
     try:
         err = check_parity(o, "", TWO_TURNS, max_tokens=6, frames=10, audio_in_video=True, hf=hf,
                            use_audio_in_video=True)

@@ -13,6 +13,7 @@ from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni import talker_prompt as tp
 from omnistage.models.qwen3_omni.code_predictor import predictor_sampling
 from omnistage.models.qwen3_omni.talker import Talker, generate_codes
+from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds
 from omnistage.sampling_params import TalkerSamplingParams
 
 IM_START, IM_END, SYSTEM, USER, ASSISTANT, NL = 151644, 151645, 8948, 872, 77091, 198
@@ -107,8 +108,7 @@ def our_rows(preset: str, cap: dict, voice: str) -> tuple[torch.Tensor, torch.Te
     ids, emb = cap["ids"], cap["embeds"]
     length, n_gen = ids.numel(), cap["seqs"].numel() - cap["ids"].numel()
     mm = torch.isin(ids, torch.tensor(tokens.multimodal))
-    first = tp.next_text_row(talker, emb[length], final=n_gen == 1)
-    prompt = tp.prompt_embeds(talker, tokens, ids, emb[:length], cap["hidden"][:length][mm], first, voice)
+    prompt = prompt_embeds(talker, tokens, ids, emb[:length], cap["hidden"][:length][mm], emb[length], voice)
     rows = [tp.next_text_row(talker, emb[length + j] if j < n_gen - 1 else None, final=j == n_gen - 1)
             for j in range(1, n_gen)]
     return prompt, torch.stack(rows)

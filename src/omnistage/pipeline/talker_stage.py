@@ -17,16 +17,11 @@ from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.rope_index import flat_positions
-from omnistage.models.qwen3_omni.talker_prompt import (
-    TalkerTokens,
-    next_text_row,
-    prompt_embeds,
-    prompt_mrope,
-    text_rows,
-)
+from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
+from omnistage.models.qwen3_omni.talker_prompt_rows import PromptSource, prompt_embeds_batch, prompt_source
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
-from omnistage.pipeline.faults import StepFaults
+from omnistage.pipeline.faults import StepFaults, together
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
 from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
@@ -90,30 +85,43 @@ class TalkerStage(AsyncOutputStep):
 
     @torch.no_grad()
     def _receive(self) -> None:
-        for chunk in self.inbox.drain():
-            rid = chunk.request.request_id
-            if chunk.request.aborted:
-                continue
+        chunks = [c for c in self.inbox.drain() if not c.request.aborted]
+        for chunk in chunks:
             if chunk.embed is not None:
                 chunk.embed = arrive(chunk.embed, self.device)
-            if chunk.prompt is not None:
-                self.faults.run(chunk.request, self._admit, chunk)
-            elif rid in self.seqs:
-                seq = self.seqs[rid]
+        # NOTE: admissions first: a request's first chunk may be drained together with its next ones
+        self._admit_all([c for c in chunks if c.prompt is not None])
+        for chunk in chunks:
+            if chunk.prompt is None and (seq := self.seqs.get(chunk.request.request_id)) is not None:
                 if chunk.finished:
                     seq.thinker_done = True
                 else:
                     seq.texts.append(chunk.embed)
                     seq.num_texts += 1
 
-    def _admit(self, chunk: TextChunk) -> None:
-        req, p = chunk.request, chunk.prompt
-        req.mark("talker_start")
+    def _admit_all(self, chunks: list[TextChunk]) -> None:
+        """Admits requests in arrival order: each prompt checked alone, then all their rows built together
+        (each alone when that fails, so that only the one at fault fails)."""
+        for chunk in chunks:
+            chunk.request.mark("talker_start")
+        checked = [(c, s) for c in chunks if (s := self.faults.run(c.request, self._source, c)) is not None]
+        sources = [s for _, s in checked]
+        rows = together(prompt_embeds_batch, self.talker, self.tokens, sources) if len(sources) > 1 else None
+        for i, (chunk, source) in enumerate(checked):
+            self.faults.run(chunk.request, self._admit, chunk, source, rows and rows[i])
+
+    def _source(self, chunk: TextChunk) -> PromptSource:
+        p = chunk.prompt
         mm = None if p.mm_hidden is None else arrive(p.mm_hidden, self.device).to(self.dtype)
-        rows = prompt_embeds(self.talker, self.tokens, p.prompt_ids,  # NOTE: host ids: no sync (talker_prompt)
-                             arrive(p.embeds, self.device).to(self.dtype), mm,
-                             next_text_row(self.talker, chunk.embed.to(self.dtype)), req.voice)
-        seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, p.prompt_ids, req.prompt))
+        return prompt_source(self.tokens, p.prompt_ids,  # NOTE: host ids: no sync (talker_prompt_rows)
+                             arrive(p.embeds, self.device).to(self.dtype), mm, chunk.embed.to(self.dtype),
+                             chunk.request.voice)
+
+    def _admit(self, chunk: TextChunk, source: PromptSource, rows: torch.Tensor | None) -> None:
+        """`rows`: the request's prompt rows when built with others; else built here."""
+        req = chunk.request
+        rows = prompt_embeds_batch(self.talker, self.tokens, [source])[0] if rows is None else rows
+        seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, chunk.prompt.prompt_ids, req.prompt))
         self.seqs[req.request_id] = seq
         self.waiting.append(seq)
 

@@ -3,13 +3,8 @@
 Streaming contract: the first payload is the prompt (its token ids, the thinker's input embeddings of
 the prompt, the accept-layer hidden rows at its multimodal positions) plus the first generated token;
 from then on the talker takes ONE text row per codec frame (`next_text_row`): generated token j+1,
-`tts_eos` in place of the thinker's final token, then `tts_pad` for ever.
-
-Prompt rows: the user turns (text positions -> text_projection(embedding), multimodal positions ->
-hidden_projection(accept-layer hidden)); system and earlier assistant turns are dropped. Then 9
-assistant rows, text side + codec side:
-  <|im_start|> assistant \\n | 4 x tts_pad + nothink, think_bos, think_eos, speaker | tts_bos + codec_pad |
-  first generated token + codec_bos.
+`tts_eos` in place of the thinker's final token, then `tts_pad` for ever. The prompt rows themselves:
+`talker_prompt_rows`.
 """
 
 from __future__ import annotations
@@ -60,61 +55,22 @@ class TalkerTokens:
             raise ValueError(f"unknown voice {speaker!r}; choose from {sorted(self.speakers)}") from None
 
 
-def user_mask(prompt_ids: torch.Tensor, tokens: TalkerTokens) -> torch.Tensor:
-    """[L] bool: positions whose latest `<|im_start|>` (at or before them) opens a user turn."""
-    pos = torch.arange(prompt_ids.numel(), device=prompt_ids.device)
-    starts = torch.where(prompt_ids == tokens.im_start, pos, torch.full_like(pos, -1))
+def user_mask(prompt_ids: torch.Tensor, tokens: TalkerTokens, lens: torch.Tensor | None = None) -> torch.Tensor:
+    """[L] bool: positions whose latest `<|im_start|>` (at or before them) opens a user turn. `lens`: host
+    `prompt_ids` are several prompts of these lengths, concatenated (default: one prompt)."""
+    lens = torch.tensor([prompt_ids.numel()]) if lens is None else lens
+    first = lens.cumsum(0) - lens
+    pos = torch.arange(prompt_ids.numel())
+    starts = torch.where(prompt_ids == tokens.im_start, pos, -1)
     # NOTE: positions before any <|im_start|> read the role after position 0, as transformers does.
-    role_at = (starts.cummax(0).values.clamp_min(0) + 1).clamp_max(prompt_ids.numel() - 1)
+    starts[first] = first
+    role_at = torch.minimum(starts.cummax(0).values + 1, torch.repeat_interleave(first + lens - 1, lens))
     return prompt_ids[role_at] == tokens.user
 
 
-def assistant_start(prompt_ids: torch.Tensor, tokens: TalkerTokens) -> int:
-    """Index of the last `<|im_start|>assistant` of the prompt."""
-    hits = ((prompt_ids[:-1] == tokens.im_start) & (prompt_ids[1:] == tokens.assistant)).nonzero()
-    if hits.numel() == 0:
-        raise ValueError("the prompt has no '<|im_start|>assistant' turn to speak")
-    return int(hits[-1, 0])
-
-
-def user_rows(talker: nn.Module, tokens: TalkerTokens, prompt_ids: torch.Tensor, thinker_embeds: torch.Tensor,
-              mm_hidden: torch.Tensor | None) -> torch.Tensor:
-    """Talker rows of the user turns. `thinker_embeds` [L, Ht]: the thinker's input embeddings of the
-    prompt; `mm_hidden` [M, Ht]: accept-layer hidden rows at the prompt's M multimodal positions.
-    `prompt_ids` may stay on the host (the stage keeps them there): the masks are computed beside them."""
-    keep = user_mask(prompt_ids, tokens)
-    mm = torch.isin(prompt_ids, torch.tensor(tokens.multimodal, device=prompt_ids.device))
-
-    def rows(mask: torch.Tensor) -> torch.Tensor:  # NOTE: no host sync when the ids are on the host
-        return mask.nonzero()[:, 0].to(thinker_embeds.device, non_blocking=True)
-
-    out = thinker_embeds.new_empty(int(keep.sum()), talker.text_projection.linear_fc2.out_features)
-    out.index_copy_(0, rows(~mm[keep]), talker.text_projection(thinker_embeds.index_select(0, rows(keep & ~mm))))
-    if bool((keep & mm).any()):
-        if mm_hidden is None or mm_hidden.shape[0] != int(mm.sum()):
-            raise ValueError(f"need accept-layer hidden rows for all {int(mm.sum())} multimodal positions")
-        out.index_copy_(0, rows(mm[keep]), talker.hidden_projection(mm_hidden.index_select(0, rows(keep[mm]))))
-    return out
-
-
-def assistant_rows(talker: nn.Module, tokens: TalkerTokens, head_embeds: torch.Tensor, first_text: torch.Tensor,
-                   speaker: str) -> torch.Tensor:
-    """The 9 assistant rows. `head_embeds` [3, Ht]: thinker embeddings of `<|im_start|>assistant\\n`;
-    `first_text` [H]: the talker row of the first generated token (see `next_text_row`)."""
-    bos, _, pad = talker.tts_embeds
-    text = torch.cat([talker.text_projection(head_embeds), pad.expand(4, -1), bos[None], first_text[None]])
-    codec_ids = [tokens.codec_nothink, tokens.codec_think_bos, tokens.codec_think_eos, tokens.speaker_id(speaker),
-                 tokens.codec_pad, tokens.codec_bos]
-    codec = talker.model.codec_embedding(torch.tensor(codec_ids).to(text.device, non_blocking=True))
-    return text + torch.cat([codec.new_zeros(3, codec.shape[1]), codec])
-
-
-def prompt_embeds(talker: nn.Module, tokens: TalkerTokens, prompt_ids: torch.Tensor, thinker_embeds: torch.Tensor,
-                  mm_hidden: torch.Tensor | None, first_text: torch.Tensor, speaker: str) -> torch.Tensor:
-    """The talker's prefill rows [Lu + 9, H] (positions 0..Lu+8)."""
-    a = assistant_start(prompt_ids, tokens)
-    users = user_rows(talker, tokens, prompt_ids, thinker_embeds, mm_hidden)
-    return torch.cat([users, assistant_rows(talker, tokens, thinker_embeds[a:a + 3], first_text, speaker)])
+def multimodal_mask(prompt_ids: torch.Tensor, tokens: TalkerTokens) -> torch.Tensor:
+    """[L] bool: audio / image / video positions."""
+    return torch.isin(prompt_ids, torch.tensor(tokens.multimodal))
 
 
 def prompt_mrope(tokens: TalkerTokens, prompt_ids: torch.Tensor, prompt: PromptInputs) -> MRope | None:
