@@ -14,16 +14,14 @@ from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
-from omnistage.layers.context import build_context, forward_context, to_device
-from omnistage.layers.sampling import SamplingTensors
-from omnistage.models.qwen3_omni.rope_index import flat_positions
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
 from omnistage.models.qwen3_omni.talker_prompt_rows import PromptSource, prompt_embeds_batch, prompt_source
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults, together
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
-from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
+from omnistage.pipeline.talker_frame_step import TalkerFrameStep
+from omnistage.pipeline.talker_runner import TalkerGraphRunner
 from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
 
 
@@ -59,6 +57,7 @@ class TalkerStage(AsyncOutputStep):
             self.runner = TalkerGraphRunner(talker, sizes, max_batch_size, self.blocks.num_blocks, block_size,
                                             scratch, self.penalties)
             self.prefill = prefill_runner(talker.model, prefill_tokens, max_batch_size, block_size, scratch)
+        self.frame_step = TalkerFrameStep(talker, self.blocks, self.penalties, self.runner, self.prefill)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
         self.waiting: deque[TalkerSeq] = deque()
@@ -158,7 +157,7 @@ class TalkerStage(AsyncOutputStep):
         runs = []
         for group in filter(None, groups):
             fb = frame_batch(group, self.blocks.tables)
-            frames, codec_embeds = self._run(fb)
+            frames, codec_embeds = self.frame_step(fb)
             for i, (seq, _) in enumerate(group):
                 seq.num_computed += fb.lens[i]
                 seq.frames += 1
@@ -173,34 +172,6 @@ class TalkerStage(AsyncOutputStep):
                 code = next(c0)
                 if self.seqs.get(seq.req.request_id) is seq:  # not ended (or aborted) since its launch
                     self.faults.run(seq.req, self._advance, seq, frames[i], code)
-
-    def _run(self, fb: FrameBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """(frames [B, G], codec_embeds [B, H]): a decode batch through the runner's graph, a prefill batch
-        as an eager talker forward plus the runner's head graph; eagerly without a runner (or past its
-        largest bucket)."""
-        decode = max(fb.lens) == 1
-        if self.runner is not None and decode and (out := self.runner.run(fb)) is not None:
-            return out
-        hidden = self._hidden(fb)
-        if self.runner is not None and not decode and (out := self.runner.run_head(hidden, fb)) is not None:
-            return out
-        st = SamplingTensors.build(fb.params, fb.seeds, self.device)
-        frame_index = to_device(fb.frame_index, torch.long, self.device)
-        ignore_eos = to_device([p.ignore_eos for p in fb.params], torch.bool, self.device)
-        return self.penalties.update_seen(to_device(fb.slots, torch.long, self.device),
-                                          lambda seen: self.talker.head(hidden, st, frame_index, seen, ignore_eos))
-
-    def _hidden(self, fb: FrameBatch) -> torch.Tensor:
-        """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden;
-        fresh prompts alone through the prefill graphs (in as many runs as they need)."""
-        positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
-        if (self.prefill is not None and max(fb.num_computed) == 0
-                and (out := self.prefill.run_last(fb.inputs, positions, fb.lens, fb.tables)) is not None):
-            return out
-        last = to_device(fb.lens, torch.long, self.device).cumsum(0) - 1
-        ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)
-        with forward_context(ctx):
-            return self.talker(fb.inputs, positions).index_select(0, last)
 
     def _advance(self, seq: TalkerSeq, frame: torch.Tensor, c0: int) -> None:
         if c0 == self.talker.codec_eos:
