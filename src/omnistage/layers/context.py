@@ -101,10 +101,14 @@ class HostCopy:
             self.ready.record()
         self.host = t
 
-    def tolist(self) -> list:
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once the copy (and all work queued before it on the stream) is done."""
         if self.ready is not None:
             self.ready.synchronize()
-        return self.host.tolist()
+        return self.host
+
+    def tolist(self) -> list:
+        return self.wait().tolist()
 
 
 def build_context(num_computed: Sequence[int], num_new: Sequence[int], block_tables: Sequence[Sequence[int]],
