@@ -1,6 +1,6 @@
-"""Asynchronous output (deploy `async_output`): the thinker and the talker complete step N while step N+1
-runs. Same tokens, text, codes, audio and frame counts as completing each step at once (penalties, stop
-strings and codec_eos stops included); aborts free everything (KV blocks, penalty rows)."""
+"""Asynchronous output (deploy `async_output`): the thinker, the talker and code2wav complete step N while
+step N+1 runs. Same tokens, text, codes, audio and frame counts as completing each step at once (penalties,
+stop strings and codec_eos stops included); aborts free everything (KV blocks, penalty rows, stream slots)."""
 
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ def omni(async_output: bool, graph: bool) -> Omni:
     o = Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker, thinker=thinker)), device="cpu")
     for stage in (o.engine.talkers[0], o.engine.thinker):
         assert stage.async_output is async_output and (stage.runner is not None) is graph
+    assert o.engine.code2wavs[0].async_output is async_output
     return o
 
 
@@ -100,7 +101,8 @@ def test_async_output_stops_at_codec_eos_as_sync() -> None:
 
 def clean(o: Omni) -> None:
     t, c, th = o.engine.talkers[0], o.engine.code2wavs[0], o.engine.thinker
-    assert not o.engine.requests and not t.seqs and t.pending is None and t.blocks.num_used == 0 and not c.seqs
+    assert not o.engine.requests and not t.seqs and t.pending is None and t.blocks.num_used == 0
+    assert not c.seqs and c.pending is None and len(c.streamer.cache.free_slots) == c.max_batch_size
     assert th.pending is None and th.blocks.num_used == 0 and th.penalties.num_free == th.max_batch_size
     assert t.penalties.num_free == t.penalties.scratch  # every talker row back
 

@@ -31,7 +31,7 @@ INITIAL, CHUNK, MAX_BATCH = 4, 5, 8
 SAMPLES, TAIL = 1920, 555
 # per request: (tick it starts sending frames, frames, tick it is aborted or None); 1-2 frames per tick
 PLAN = [(0, 23, None), (0, 9, None), (0, 12, None), (0, 30, 9), (0, 7, None), (0, 16, None), (0, 3, None),
-        (0, 26, None), (1, 9, None), (2, 4, None), (3, 19, None), (4, 14, 13), (6, 21, None), (7, 5, None),
+        (0, 26, None), (1, 9, None), (2, 4, None), (3, 19, None), (4, 14, 12), (6, 21, None), (7, 5, None),
         (9, 11, None), (15, 1, None), (20, 8, None)] + [(60, 2 + i, None) for i in range(MAX_BATCH)]
 # NOTE: the last MAX_BATCH join when every slot is free, so each aborted stream's slot is taken again
 
@@ -49,15 +49,18 @@ class Req:
     done: bool = False
     deltas: list[OutputDelta] = field(default_factory=list)
     phases: list[str] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)  # "audio" per delta, "done" at part_done, in order
 
     def emit(self, delta: OutputDelta) -> None:
         self.deltas.append(delta)
+        self.events.append("audio")
 
     def mark(self, phase: str) -> None:
         self.phases.append(phase)
 
     def part_done(self) -> None:
         self.done = True
+        self.events.append("done")
 
 
 @dataclass
@@ -88,7 +91,7 @@ def drive(stage: Code2WavStage, plan: list = PLAN) -> Run:
                 stage.add(FrameChunk(req, finished=True))
                 sent[i] += 1
         stage.step()
-        for rid, (_, seq) in stage.seqs.items():
+        for rid, seq in stage.seqs.items():
             run.slots.setdefault(rid, (seq.state.slot, t))
         if all(r.done or r.aborted for r in run.reqs) and not stage.seqs:
             return run
@@ -96,9 +99,10 @@ def drive(stage: Code2WavStage, plan: list = PLAN) -> Run:
 
 
 def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
-          chunk: int = CHUNK) -> Code2WavStage:
+          chunk: int = CHUNK, async_output: bool = False) -> Code2WavStage:
     return Code2WavStage(model(), max_batch_size=MAX_BATCH, initial_chunk_frames=initial, chunk_frames=chunk,
-                         chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes)
+                         chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes,
+                         async_output=async_output)
 
 
 @functools.cache

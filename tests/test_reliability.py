@@ -85,13 +85,15 @@ def request_id(arg: object) -> str:
 
 
 # per-request host work in each stage: (stage, method); the first argument names the request
-PER_REQUEST = [("thinker", "_admit"), ("thinker", "_append"), ("talker", "_admit"), ("talker", "_advance")]
+PER_REQUEST = [("thinker", "_admit"), ("thinker", "_append"), ("talker", "_admit"), ("talker", "_advance"),
+               ("code2wav", "_emit")]
 
 
 @pytest.mark.parametrize("stage_name, method", PER_REQUEST)
 def test_a_fault_in_one_request_fails_only_that_request(shared, monkeypatch, stage_name, method):
     o = shared
-    stage = o.engine.thinker if stage_name == "thinker" else o.engine.talkers[0]
+    e = o.engine
+    stage = {"thinker": e.thinker, "talker": e.talkers[0], "code2wav": e.code2wavs[0]}[stage_name]
     worker = next(w for w in o.engine.workers if w.stage is stage)
     failed_before, real = worker.failed_requests, getattr(stage, method)
     calls = {"bad": 0}

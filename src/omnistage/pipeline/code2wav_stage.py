@@ -1,5 +1,6 @@
 """Code2Wav stage: stateful streaming decode batched across requests; chunks (audio packets) as
-`config.packet_frames` schedules them; every frame decoded once; one host sync per step."""
+`config.packet_frames` schedules them; every frame decoded once; one host sync per step, with
+asynchronous output while the next step runs (`AsyncOutputStep`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.config import StageConfig, packet_frames
+from omnistage.engine.request import Request
+from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
+from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav_runner import Code2WavGraphRunner
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive
 from omnistage.pipeline.faults import StepFaults
@@ -19,19 +23,45 @@ from omnistage.pipeline.faults import StepFaults
 
 @dataclass
 class WavSeq:
+    req: Request
     state: StreamState
-    pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not decoded yet
-    done: bool = False
+    pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not launched yet
+    done: bool = False  # the talker sent its last frame
+    in_flight: int = 0  # chunks launched whose samples are not emitted yet
+
+    @property
+    def ended(self) -> bool:
+        """Every frame decoded and its samples emitted."""
+        return self.done and not self.pending and not self.in_flight
 
 
-class Code2WavStage:
+@dataclass
+class Launched:
+    """A launched chunk step: its requests, each chunk's samples and frames, and the step's samples and
+    codes on their way to the host."""
+
+    seqs: list[WavSeq]
+    samples: list[int]
+    frames: list[int]
+    codes: torch.Tensor  # [sum frames, Q] on the host once `audio` is
+    audio: HostCopy
+
+    def wait(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Per chunk its samples and its codes [n, Q] (waits for the step: the one host sync)."""
+        return self.audio.wait().split(self.samples), self.codes.split(self.frames)
+
+
+class Code2WavStage(AsyncOutputStep):
+    """`step` (see `AsyncOutputStep`): with asynchronous output a step's chunks are emitted one step later,
+    and a request ends (`part_done`) once its last chunk's samples are emitted."""
+
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, initial_chunk_frames: int = 4,
                  chunk_frames: int = 25, chunk_growth: bool = True, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = ()) -> None:
+                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial_chunk_frames, chunk_frames, chunk_growth)` frames.
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
-        elsewhere)."""
+        elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.schedule = (initial_chunk_frames, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
@@ -39,9 +69,9 @@ class Code2WavStage:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = Code2WavGraphRunner(self.streamer, sizes, *self.schedule)
         self.inbox: Inbox[FrameChunk] = Inbox()
-        self.seqs: dict[str, tuple[FrameChunk, WavSeq]] = {}
+        self.seqs: dict[str, WavSeq] = {}
         self.max_batch_size = max_batch_size
-        self.last_batch = 0
+        self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
         self.device = next(code2wav.parameters()).device
 
@@ -49,16 +79,19 @@ class Code2WavStage:
         self.inbox.put(chunk)
 
     def abort(self, request_id: str) -> None:
-        item = self.seqs.pop(request_id, None)
-        if item is not None:
-            self.streamer.close(item[1].state)
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None:
+            # NOTE: a chunk of it may still run; the slot's next stream zeroes the slot's state
+            # (`Code2WavStreamCache.allocate`) on this stage's stream, so after that chunk wrote it.
+            self.streamer.close(seq.state)
 
     @property
     def num_active(self) -> int:
         return len(self.seqs)
 
     def stats(self) -> dict[str, int]:
-        return dict(batch_size=self.last_batch, queue_depth=sum(len(s.pending) for _, s in list(self.seqs.values())))
+        queued = sum(len(s.pending) for s in list(self.seqs.values()))
+        return dict(batch_size=self.last_batch, queue_depth=queued)
 
     def _receive(self) -> None:
         for chunk in self.inbox.drain():
@@ -69,8 +102,8 @@ class Code2WavStage:
                 if len(self.seqs) >= self.max_batch_size:
                     self.inbox.put(chunk)  # NOTE: no free stream slot yet; retried next step, order kept per request
                     continue
-                self.seqs[rid] = (chunk, WavSeq(self.streamer.open()))
-            seq = self.seqs[rid][1]
+                self.seqs[rid] = WavSeq(chunk.request, self.streamer.open())
+            seq = self.seqs[rid]
             if chunk.finished:
                 seq.done = True
             else:
@@ -79,46 +112,46 @@ class Code2WavStage:
     def _target(self, seq: WavSeq) -> int:
         return packet_frames(seq.state.frames, *self.schedule)
 
-    @torch.no_grad()
-    def step(self) -> bool:
+    def _schedule(self) -> list[WavSeq]:
         self._receive()
-        ready = [(rid, seq) for rid, (_, seq) in self.seqs.items()
-                 if seq.pending and (len(seq.pending) >= self._target(seq) or seq.done)]
+        for seq in [s for s in self.seqs.values() if s.ended]:  # its last chunk emitted in an earlier step
+            self.faults.run(seq.req, self._finish, seq)
+        ready = [s for s in self.seqs.values() if s.pending and (len(s.pending) >= self._target(s) or s.done)]
         # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks.
-        ready = [(rid, seq) for rid, seq in ready if seq.state.frames == 0] or ready
-        finished = [rid for rid, (_, seq) in self.seqs.items() if seq.done and not seq.pending]
-        self.last_batch = len(ready)
-        self.step_requests = [self.seqs[rid][0].request for rid, _ in ready]
-        if ready:
-            self._decode(ready)
-        for rid in finished:
-            req = self.seqs[rid][0].request
-            self.abort(rid)
-            req.part_done()
-        return bool(ready or finished)
+        ready = [s for s in ready if s.state.frames == 0] or ready
+        self.step_requests = [s.req for s in ready]
+        return ready
 
-    def _decode(self, ready: list[tuple[str, WavSeq]]) -> None:
-        """The next chunk of each ready request, decoded in one batched step; its samples and codes reach
-        the host in one copy each, after one sync."""
-        counts = [min(len(seq.pending), self._target(seq)) for _, seq in ready]
-        last = [seq.done and n == len(seq.pending) for (_, seq), n in zip(ready, counts)]
-        frames = torch.stack([f for (_, seq), n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
+    def _launch(self, ready: list[WavSeq]) -> Launched:
+        """The next chunk of each ready request, decoded in one batched step; its samples and codes start
+        on their way to the host."""
+        counts = [min(len(seq.pending), self._target(seq)) for seq in ready]
+        last = [seq.done and n == len(seq.pending) for seq, n in zip(ready, counts)]
+        frames = torch.stack([f for seq, n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
         starts = list(itertools.accumulate(counts, initial=0))
-        items = [(seq.state, frames[a:a + n].t()) for (_, seq), a, n in zip(ready, starts, counts)]
-        for (rid, seq), n in zip(ready, counts):
+        items = [(seq.state, frames[a:a + n].t()) for seq, a, n in zip(ready, starts, counts)]
+        for seq, n in zip(ready, counts):
             del seq.pending[:n]
-            self.seqs[rid][0].request.mark("code2wav_start")
+            seq.in_flight += 1
+            seq.req.mark("code2wav_start")
         wavs = self.runner.run(items, last) if self.runner is not None else self.streamer.step(items)
-        wav, codes = to_host(torch.cat(wavs).float(), frames)
-        for (rid, _), w, a, n in zip(ready, wav.split([w.numel() for w in wavs]), starts, counts):
-            req = self.seqs[rid][0].request
-            req.mark("first_audio")
-            req.emit(OutputDelta(rid, audio=w.numpy().copy(), codes=codes[a:a + n].t().numpy().copy()))
+        # NOTE: queued before the samples' copy, so the one event `HostCopy` records covers the codes too.
+        codes = frames.to("cpu", non_blocking=True)
+        return Launched(ready, [w.numel() for w in wavs], counts, codes, HostCopy(torch.cat(wavs).float()))
 
+    def _complete(self, launched: Launched) -> None:
+        for seq, wav, codes in zip(launched.seqs, *launched.wait()):
+            if self.seqs.get(seq.req.request_id) is seq:  # not aborted since its launch
+                self.faults.run(seq.req, self._emit, seq, wav, codes)
 
-def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """The tensors on the host: asynchronous copies (pinned memory), then one sync of the current stream."""
-    out = [t.to("cpu", non_blocking=True) for t in tensors]
-    if any(t.is_cuda for t in tensors):
-        torch.cuda.current_stream(tensors[0].device).synchronize()
-    return out
+    def _emit(self, seq: WavSeq, wav: torch.Tensor, codes: torch.Tensor) -> None:
+        seq.in_flight -= 1
+        seq.req.mark("first_audio")
+        seq.req.emit(OutputDelta(seq.req.request_id, audio=wav.numpy().copy(),
+                                 codes=codes.t().numpy().copy()))
+        if seq.ended:
+            self._finish(seq)
+
+    def _finish(self, seq: WavSeq) -> None:
+        self.abort(seq.req.request_id)
+        seq.req.part_done()

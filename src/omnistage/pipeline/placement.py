@@ -114,8 +114,8 @@ def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torc
         stage = Code2WavStage(module, max_batch_size=sc.max_batch_size,
                               initial_chunk_frames=conn.initial_codec_chunk_frames,
                               chunk_frames=conn.codec_chunk_frames, chunk_growth=conn.codec_chunk_growth,
-                              cuda_graph=sc.cuda_graph,
-                              graph_batch_sizes=sc.graph_batch_sizes())
+                              cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
+                              async_output=p.deploy.async_output)
     return stage
 
 
