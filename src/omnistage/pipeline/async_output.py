@@ -2,7 +2,8 @@
 
 `step` launches this step (`_launch`: schedule, load, graph replay; nothing waits for the device), then
 completes it at once or, with asynchronous output, completes the previous step while this one runs on the
-device (`_complete`: the one host sync, then the outputs go on). Shared by the thinker and talker stages.
+device (`_complete`: the one host sync, then the outputs go on). Shared by the thinker, talker and code2wav
+stages.
 """
 
 from __future__ import annotations
