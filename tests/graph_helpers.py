@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 
-from omnistage.config import packet_frames
+from omnistage.pipeline.connector import packet_frames
 
 
 def kv(model: torch.nn.Module) -> torch.Tensor:

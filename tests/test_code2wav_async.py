@@ -11,8 +11,8 @@ import torch
 
 from omnistage.pipeline.connector import FrameChunk
 
+from code2wav_helpers import CHUNK, INITIAL, MAX_BATCH, PLAN, Req, drive, model, samples, stage
 from graph_helpers import packet_sizes
-from test_code2wav_graph import CHUNK, INITIAL, MAX_BATCH, PLAN, Req, drive, model, samples, stage
 
 
 @pytest.mark.parametrize("graph", [False, True])

@@ -107,29 +107,13 @@ class StageConfig:
 @dataclass(frozen=True)
 class ConnectorConfig:
     """Talker -> code2wav: the first audio packet after `initial_codec_chunk_frames` frames, then packets
-    of `packet_frames(...)` frames (at most `codec_chunk_frames`).
+    of `connector.packet_frames(...)` frames (at most `codec_chunk_frames`).
     `codec_chunk_growth`: each later packet as long as all the audio before it, up to the cap, so playback
     never starves (False: every later packet `codec_chunk_frames`)."""
 
     initial_codec_chunk_frames: int = _opt(4, _positive_int)
     codec_chunk_frames: int = _opt(25, _positive_int)
     codec_chunk_growth: bool = _opt(True, _bool)
-
-
-def packet_frames(emitted: int, initial: int, cap: int, growth: bool) -> int:
-    """Frames in a stream's next audio packet after `emitted` frames (see ConnectorConfig)."""
-    if emitted == 0:
-        return initial
-    return min(emitted, cap) if growth else cap
-
-
-def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:
-    """Ascending: every length `packet_frames` gives a packet after the first (2, 25, growth: 2 4 8 16 25)."""
-    shapes, emitted = set(), initial
-    while (n := packet_frames(emitted, initial, cap, growth)) not in shapes:
-        shapes.add(n)
-        emitted += n
-    return sorted(shapes)
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
 Chunk shapes, keyed (n, first): a stream's first chunk (`initial` frames, `first`: the transposed convs
-trim their start) and every length the packet schedule (`config.packet_frames`) gives a later chunk
+trim their start) and every length the packet schedule (`connector.packet_frames`) gives a later chunk
 (initial 2, cap 25, growth: 2, 4, 8, 16, 25). A chunk shorter than its schedule's length is always its
 stream's last (the stage cuts one only once the frames have ended); it runs in the smallest shape of its
 kind that holds it, padded with stale codes, and keeps only its own frames' samples: exact, as the
@@ -26,9 +26,9 @@ from collections.abc import Sequence
 
 import torch
 
-from omnistage.config import later_packet_frames, packet_frames
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
+from omnistage.pipeline.connector import later_packet_frames, packet_frames
 
 Shape = tuple[int, bool]  # (frames, first)
 

@@ -1,5 +1,5 @@
 """Code2Wav stage: stateful streaming decode batched across requests; chunks (audio packets) as
-`config.packet_frames` schedules them; every frame decoded once; one host sync per step, with
+`connector.packet_frames` schedules them; every frame decoded once; one host sync per step, with
 asynchronous output while the next step runs (`AsyncOutputStep`)."""
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from omnistage.config import StageConfig, packet_frames
+from omnistage.config import StageConfig
 from omnistage.engine.request import Request
 from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav_runner import Code2WavGraphRunner
-from omnistage.pipeline.connector import FrameChunk, Inbox, arrive
+from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, packet_frames
 from omnistage.pipeline.faults import StepFaults
 
 

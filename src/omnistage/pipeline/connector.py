@@ -1,4 +1,5 @@
-"""Payloads between stages (O(1) per step after the first) and the inbox each stage reads them from."""
+"""Payloads between stages (O(1) per step after the first), the inbox each stage reads them from, and the
+talker -> code2wav packet schedule."""
 
 from __future__ import annotations
 
@@ -74,3 +75,19 @@ def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
         # NOTE: without this the producer's allocator may reuse the memory while our stream still reads it.
         t.record_stream(torch.cuda.current_stream(t.device))
     return t
+
+
+def packet_frames(emitted: int, initial: int, cap: int, growth: bool) -> int:
+    """Frames in a stream's next audio packet after `emitted` frames (see ConnectorConfig)."""
+    if emitted == 0:
+        return initial
+    return min(emitted, cap) if growth else cap
+
+
+def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:
+    """Ascending: every length `packet_frames` gives a packet after the first (2, 25, growth: 2 4 8 16 25)."""
+    shapes, emitted = set(), initial
+    while (n := packet_frames(emitted, initial, cap, growth)) not in shapes:
+        shapes.add(n)
+        emitted += n
+    return sorted(shapes)
