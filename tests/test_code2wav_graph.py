@@ -96,7 +96,8 @@ def test_deploy_config_switches_the_runner_on() -> None:
     try:
         for on in (True, False):
             st.runner = runner if on else None
-            out[on] = o.chat([[{"role": "user", "content": "Say hello."}]] * 3, sampling={"temperature": 0, "max_tokens": 2},
+            out[on] = o.chat([[{"role": "user", "content": "Say hello."}]] * 3,
+                             sampling={"temperature": 0, "max_tokens": 2},
                              talker_sampling=[{"temperature": 0, "max_frames": f, "ignore_eos": True}
                                               for f in (9, 13, 4)])
     finally:

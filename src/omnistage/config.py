@@ -126,8 +126,8 @@ class Stages:
 @dataclass(frozen=True)
 class DeployConfig:
     """`async_chunk`: the talker consumes thinker rows as they are produced (False: it starts after the
-    thinker finished). `async_output`: the thinker, the talker and code2wav handle step N's outputs on the host while
-    step N+1 runs.
+    thinker finished). `async_output`: the thinker, the talker and code2wav handle step N's outputs on the
+    host while step N+1 runs.
     `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
     prompt tokens) that have not yet produced every output they asked for; past it a 429.
     `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray").

@@ -6,8 +6,8 @@ graph of (the smallest batch bucket >= B, `width_bucket(need)`). Rows past B are
 Width buckets are powers of two, capped at the widest block table. On CUDA the decode attention
 (`layers.triton_attention`) reads only each row's own blocks, so a wider bucket costs only its block-table
 rows; the reference path (`layers.attention.paged_decode_attention`) gathers `width` blocks for every row,
-at most 2x the gather + SDPA work (and transient memory) of the batch's longest context. Pairs at the deploy config's `cuda_graph_capture_widths` are captured at
-start; any other pair on the first step that needs it, so only the pairs a workload reaches exist: at most
+at most 2x the gather + SDPA work (and transient memory) of the batch's longest context. Pairs at the
+deploy config's `cuda_graph_capture_widths` are captured at start; any other pair on the first step that needs it, so only the pairs a workload reaches exist: at most
 ceil(log2(max width)) + 1 per batch bucket (P prompt rows + F frames need widths up to
 ceil((P + F) / block_size)). A lazy capture pays one eager warm-up step plus the capture (0.2-0.4 s for
 the talker's frame step at full size on the H200, BENCHMARKS.md), and `torch.cuda.graph` synchronizes the
