@@ -17,8 +17,12 @@ class AsyncOutputStep:
     async_output: bool = False
     pending: Any = None  # the launched step not completed yet
     last_batch: int = 0
+    last_tokens: int = 0  # new input rows of the step just launched (`_tokens`)
 
     def _schedule(self) -> list: ...
+
+    def _tokens(self, batch: list) -> int:
+        return len(batch)
 
     def _launch(self, batch: list) -> Any: ...
 
@@ -27,7 +31,7 @@ class AsyncOutputStep:
     @torch.no_grad()
     def step(self) -> bool:
         batch = self._schedule()
-        self.last_batch = len(batch)
+        self.last_batch, self.last_tokens = len(batch), self._tokens(batch)
         launched = self._launch(batch) if batch else None
         if self.async_output:
             launched, self.pending = self.pending, launched

@@ -122,6 +122,9 @@ class Code2WavStage(AsyncOutputStep):
         self.step_requests = [s.req for s in ready]
         return ready
 
+    def _tokens(self, ready: list[WavSeq]) -> int:
+        return sum(min(len(seq.pending), self._target(seq)) for seq in ready)
+
     def _launch(self, ready: list[WavSeq]) -> Launched:
         """The next chunk of each ready request, decoded in one batched step; its samples and codes start
         on their way to the host."""

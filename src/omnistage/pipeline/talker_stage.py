@@ -150,6 +150,9 @@ class TalkerStage(AsyncOutputStep):
             batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
 
+    def _tokens(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> int:
+        return sum(rows.shape[0] for _, rows in batch)
+
     def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched:
         # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
         groups = ([[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]

@@ -115,6 +115,9 @@ class ThinkerStage(AsyncOutputStep):
             budget -= n
         return batch
 
+    def _tokens(self, batch: list[tuple[ThinkerSeq, int]]) -> int:
+        return sum(n for _, n in batch)
+
     def _launch(self, batch: list[tuple[ThinkerSeq, int]]) -> Launched | None:
         self.step_requests = [s.req for s, _ in batch]
         seqs = [s for s, _ in batch if not s.in_prefill]

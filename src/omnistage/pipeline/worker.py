@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import json
 import logging
 import os
 import threading
@@ -37,6 +38,7 @@ class StageWorker:
         self.stage.inbox.wake = self.wake
         self.controls: Inbox[str] = Inbox(self.wake)
         self._stop = False
+        self._trace: Any = None  # OMNISTAGE_STEP_TRACE's file (see `_traced`)
         self._thread = threading.Thread(target=self._run, name=f"omnistage-{name}", daemon=True)
 
     def start(self) -> None:
@@ -75,9 +77,22 @@ class StageWorker:
                 prof.disable()
                 prof.dump_stats(os.path.join(out, f"{self.name}.prof"))
 
+    @contextlib.contextmanager
+    def _traced(self) -> Iterator[None]:
+        """With OMNISTAGE_STEP_TRACE=DIR, one JSON line per step that ran rows into DIR/<name>.jsonl: its start
+        (perf_counter s, one clock for every stage of the process), wall ms, rows and new input rows (`tokens`:
+        prompt and decode tokens, talker prompt rows, codec frames)."""
+        out = os.environ.get("OMNISTAGE_STEP_TRACE")
+        self._trace = open(os.path.join(out, f"{self.name}.jsonl"), "w") if out else None
+        try:
+            yield
+        finally:
+            if self._trace is not None:
+                self._trace.close()
+
     def _run(self) -> None:
         try:
-            with self._stream(), self._profiled():
+            with self._stream(), self._profiled(), self._traced():
                 while not self._stop:
                     self.wake.clear()
                     for request_id in self.controls.drain():
@@ -103,6 +118,10 @@ class StageWorker:
                 ran = self.stage.last_batch > 0
                 self.steps, self.step_rows = self.steps + ran, self.step_rows + self.stage.last_batch
                 self.busy_seconds += time.perf_counter() - start
+                if ran and self._trace is not None:
+                    self._trace.write(json.dumps({
+                        "t": round(start, 6), "ms": round(1e3 * (time.perf_counter() - start), 3),
+                        "rows": self.stage.last_batch, "tokens": getattr(self.stage, "last_tokens", None)}) + "\n")
         except Exception as e:
             blamed = list(self.stage.step_requests)
             self._unblamed = 0 if blamed else self._unblamed + 1
