@@ -19,9 +19,10 @@ import torch
 from omnistage.layers import triton_ops, triton_sampling
 
 _M32 = 0xFFFFFFFF
-# (field, neutral value) of the float parameters, in the order the graph runners' static buffers keep them
+# (field, neutral value) of the float parameters, and the int ones, in `sampling_columns`' row order
 FLOAT_FIELDS = (("temperature", 0.0), ("top_p", 1.0), ("min_p", 0.0), ("repetition_penalty", 1.0),
                 ("presence_penalty", 0.0), ("frequency_penalty", 0.0))
+INT_FIELDS = ("seeds", "top_k")
 
 
 @dataclass
@@ -46,16 +47,22 @@ class SamplingTensors:
         """From per-row parameter objects (missing fields take neutral values) and per-row seeds.
         NOTE: built on the host, then two non_blocking copies: a blocking copy would wait for the step in
         flight on the device's stream."""
-        floats = torch.tensor([[getattr(p, f, d) for p in params] for f, d in FLOAT_FIELDS], dtype=torch.float32)
-        ints = torch.tensor([[getattr(p, "top_k", 0) for p in params], list(seeds)], dtype=torch.int64)
-        floats, ints = floats.to(device, non_blocking=True), ints.to(device, non_blocking=True)
+        floats, ints = (t.to(device, non_blocking=True) for t in sampling_columns(params, seeds))
         sampled = [p for p in params if getattr(p, "temperature", 0.0) > 0]
         return cls(
-            **{f: floats[i] for i, (f, _) in enumerate(FLOAT_FIELDS)}, top_k=ints[0], seeds=ints[1],
+            **{f: floats[i] for i, (f, _) in enumerate(FLOAT_FIELDS)},
+            **{f: ints[i] for i, f in enumerate(INT_FIELDS)},
             all_greedy=not sampled,
             need_truncation=any(getattr(p, "top_k", 0) > 0 or getattr(p, "top_p", 1.0) < 1
                                 or getattr(p, "min_p", 0.0) > 0 for p in sampled),
         )
+
+
+def sampling_columns(params: Sequence[Any], seeds: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row parameters as host tensors: floats [len(FLOAT_FIELDS), B] and ints [2, B] (INT_FIELDS), missing
+    fields at their neutral values (what the graph runners copy into their static buffers)."""
+    floats = torch.tensor([[getattr(p, f, d) for p in params] for f, d in FLOAT_FIELDS], dtype=torch.float32)
+    return floats, torch.tensor([list(seeds), [getattr(p, "top_k", 0) for p in params]], dtype=torch.int64)
 
 
 def request_seed(seed: int | None) -> int:

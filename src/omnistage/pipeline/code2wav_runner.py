@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
+from omnistage.layers.context import to_device
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.pipeline.connector import later_packet_frames, packet_frames
 
@@ -107,11 +108,10 @@ class Code2WavGraphRunner:
         n, codes = shape[0], self.codes[shape]
         slots = [s.slot for s, _ in group] + [self.streamer.cache.scratch] * (b - len(group))
         rows = [r * n + j for r, (_, c) in enumerate(group) for j in range(c.shape[-1])]
-        dev = codes.device
         # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
         self.slots[shape][:b].copy_(torch.tensor(slots, dtype=torch.long), non_blocking=True)
         flat = torch.cat([c.t() for _, c in group])
-        codes.view(-1, codes.shape[-1]).index_copy_(0, torch.tensor(rows).to(dev, non_blocking=True), flat)
+        codes.view(-1, codes.shape[-1]).index_copy_(0, to_device(rows, torch.long, codes.device), flat)
 
     def _forward(self, b: int, shape: Shape) -> torch.Tensor:
         """The chunk step of the first `b` rows of `shape`'s static buffers -> samples [b, 1, S]."""

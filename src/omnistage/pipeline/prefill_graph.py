@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
-from omnistage.layers.context import ForwardContext, forward_context
+from omnistage.layers.context import ForwardContext, forward_context, to_device
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (embeds [T, H], positions [3, T]) -> hidden
 
@@ -82,7 +82,7 @@ class PrefillGraphRunner:
         out = []
         for a, b in groups:
             lo, hi = starts[a], starts[b]
-            last = torch.tensor([starts[i + 1] - 1 - lo for i in range(a, b)]).to(embeds.device, non_blocking=True)
+            last = to_device([starts[i + 1] - 1 - lo for i in range(a, b)], torch.long, embeds.device)
             out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b]).index_select(0, last))
         return torch.cat(out)
 

@@ -22,10 +22,10 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context
-from omnistage.layers.sampling import FLOAT_FIELDS, SamplingTensors
+from omnistage.layers.sampling import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, sampling_columns
 
 _FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
-_INTS = ("seeds", "top_k")  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos, 5: slots
+_INTS = INT_FIELDS  # rows 2, 3 of the int buffer; 0: positions, 1: frame index, 4: ignore_eos, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 
 
@@ -124,16 +124,16 @@ class TalkerGraphRunner:
         n, pad = len(batch.params), [0] * (b - len(batch.params))
         if w is not None:
             self.context.fill(batch.num_computed, batch.tables, b, w)
-        st = SamplingTensors.build(batch.params + [_PADDING] * len(pad), batch.seeds + pad)
+        floats, sampling_ints = sampling_columns(batch.params + [_PADDING] * len(pad), batch.seeds + pad)
 
         def col(values: list) -> torch.Tensor:
             return torch.tensor(values + pad, dtype=torch.long)
 
         ignore_eos = [p.ignore_eos for p in batch.params]
-        ints = [col(batch.num_computed), col(batch.frame_index), *(getattr(st, f) for f in _INTS),
+        ints = [col(batch.num_computed), col(batch.frame_index), *sampling_ints,
                 col(ignore_eos), torch.tensor(batch.slots + [self.penalties.scratch] * len(pad))]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
-        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        self.floats[:, :b].copy_(floats, non_blocking=True)
         deltas = [0.0 if m is None else m.delta for m in batch.mropes]
         self.rope_delta[:b].copy_(torch.tensor(deltas + [0.0] * (b - len(deltas))), non_blocking=True)
         if rows is not None:

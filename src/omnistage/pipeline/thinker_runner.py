@@ -20,11 +20,11 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context, to_device
-from omnistage.layers.sampling import FLOAT_FIELDS, SamplingTensors, sample
+from omnistage.layers.sampling import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, sampling_columns, sample
 from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
 
 _FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
-_INTS = ("seeds", "top_k")  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps, 5: slots
+_INTS = INT_FIELDS  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps, 5: slots
 _PADDING = object()  # sampling parameters of a padding row: every field at its neutral default (greedy)
 
 
@@ -80,18 +80,18 @@ class ThinkerGraphRunner:
         pad = [0] * (b - len(seqs))
         computed = [s.num_computed for s in seqs]
         self.context.fill(computed, tables, b, w)
-        st = SamplingTensors.build([s.req.sampling for s in seqs] + [_PADDING] * len(pad),
-                                   [s.req.seed for s in seqs] + pad)
+        floats, sampling_ints = sampling_columns([s.req.sampling for s in seqs] + [_PADDING] * len(pad),
+                                                 [s.req.seed for s in seqs] + pad)
 
         def col(values: list[int]) -> torch.Tensor:
             return torch.tensor(values + pad, dtype=torch.long)
 
         in_flight = {id(s): i for i, s in enumerate(pending.seqs)} if pending is not None else {}
         last = [0 if id(s) in in_flight else s.output_ids[-1] for s in seqs]
-        ints = [col(last), col(computed), col([s.num_sampled for s in seqs]), *(getattr(st, f) for f in _INTS),
+        ints = [col(last), col(computed), col([s.num_sampled for s in seqs]), *sampling_ints,
                 torch.tensor([s.slot for s in seqs] + [self.penalties.scratch] * len(pad))]
         self.ints[:, :b].copy_(torch.stack(ints), non_blocking=True)
-        self.floats[:, :b].copy_(torch.stack([getattr(st, f) for f in _FLOATS]), non_blocking=True)
+        self.floats[:, :b].copy_(floats, non_blocking=True)
         self.rope_delta[:b].copy_(torch.tensor([s.rope_delta for s in seqs] + [0.0] * len(pad)), non_blocking=True)
         rows = [i for i, s in enumerate(seqs) if id(s) in in_flight]
         if rows:

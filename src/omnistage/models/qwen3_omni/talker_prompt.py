@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from omnistage.layers.context import to_device
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import MRope, RopeSpec, mrope_positions
 
@@ -96,12 +97,10 @@ def text_rows(talker: nn.Module, thinker_embeds: list[torch.Tensor | None], fina
     """`next_text_row` for many requests at once [N, H], with one projection for all their tokens."""
     bos_eos_pad = talker.tts_embeds
     dev = bos_eos_pad.device
-    # NOTE: indices reach the device without a blocking copy (a blocking one waits for the whole stream,
-    # which would stall the talker's asynchronous output behind the step in flight).
-    eos = torch.tensor(finals).to(dev, non_blocking=True)
+    eos = to_device(finals, torch.bool, dev)
     rows = torch.where(eos[:, None], bos_eos_pad[1], bos_eos_pad[2])
     text = [i for i, (e, f) in enumerate(zip(thinker_embeds, finals)) if e is not None and not f]
     if text:
         projected = talker.text_projection(torch.stack([thinker_embeds[i] for i in text])).to(rows.dtype)
-        rows = rows.index_copy(0, torch.tensor(text).to(dev, non_blocking=True), projected)
+        rows = rows.index_copy(0, to_device(text, torch.long, dev), projected)
     return rows
