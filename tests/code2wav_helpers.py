@@ -7,6 +7,7 @@ import contextlib
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from unittest import mock
 
 import torch
 from transformers import Qwen3OmniMoeConfig
@@ -130,8 +131,6 @@ def spy(runner) -> Iterator[list]:
         steps.append((len(live["slots"]), b, shape, live["lens"]))
         return out
 
-    runner._run_group, runner._forward = spy_run_group, spy_forward
-    try:
+    with mock.patch.object(runner, "_run_group", spy_run_group), \
+            mock.patch.object(runner, "_forward", spy_forward):
         yield steps
-    finally:
-        del runner._run_group, runner._forward

@@ -9,6 +9,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
+from unittest import mock
 
 import torch
 
@@ -44,11 +45,8 @@ def spy(runner, model: torch.nn.Module, block: int, live_slots: Callable[..., se
         live["bucket"] = (b, w)
         return out
 
-    runner.run, runner._forward = spy_run, spy_forward
-    try:
+    with mock.patch.object(runner, "run", spy_run), mock.patch.object(runner, "_forward", spy_forward):
         yield steps
-    finally:
-        del runner.run, runner._forward
 
 
 class EmulatedGraphs:
