@@ -23,6 +23,11 @@ class _Metric:
             raise ValueError(f"{self.name}: labels must be {self.labels}, got {tuple(labels)}")
         return tuple(str(labels[k]) for k in self.labels)
 
+    def _set(self, value: float, labels: dict[str, object]) -> None:
+        key = self._key(labels)
+        with self._lock:
+            self._values[key] = float(value)
+
     def _series(self, key: tuple[str, ...], extra: str = "") -> str:
         pairs = [f'{k}="{_escape(v)}"' for k, v in zip(self.labels, key, strict=True)]
         pairs += [extra] if extra else []
@@ -51,18 +56,14 @@ class Counter(_Metric):
 
     def set_total(self, total: float, **labels: object) -> None:
         """The count kept elsewhere (it must only go up there)."""
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = float(total)
+        self._set(total, labels)
 
 
 class Gauge(_Metric):
     kind = "gauge"
 
     def set(self, value: float, **labels: object) -> None:
-        key = self._key(labels)
-        with self._lock:
-            self._values[key] = float(value)
+        self._set(value, labels)
 
 
 class Histogram(_Metric):
