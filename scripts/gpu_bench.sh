@@ -18,6 +18,7 @@
 # BENCH_CHECK=1 (scripts/gpu_check.py first: runner correctness and step times -> check.json),
 # BENCH_ABLATION / BENCH_ABLATION_ROW_S / BENCH_ABLATION_C / BENCH_ABLATION_P (ablation rows, see below; empty: none),
 # BENCH_STAGE_OVERRIDES (the main server's --stage-overrides JSON, e.g. a two-GPU layout),
+# BENCH_STEP_TRACE=1 (each server's per-stage step trace, OMNISTAGE_STEP_TRACE, into $OUT/trace-<server log>/),
 # BENCH_STEADY_C / BENCH_STEADY_S (rows at these concurrencies with 10 x c requests each, the vLLM-Omni blog's
 # load, after the P=160 sweep, in BENCH_STEADY_S seconds; empty: none).
 set -uo pipefail
@@ -72,7 +73,9 @@ trap stop_server EXIT
 start_server() {
   local log=$1
   shift
-  "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
+  local trace=${BENCH_STEP_TRACE:+$OUT/trace-$(basename "$log" .log)}  # OMNISTAGE_STEP_TRACE per server
+  [[ -n $trace ]] && mkdir -p "$trace"
+  OMNISTAGE_STEP_TRACE=$trace "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
     ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} "$@" > "$log" 2>&1 &
   SERVER=$!
   for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do

@@ -5,8 +5,9 @@
    profiler: kernel count, top kernels by GPU time).
 2. Code2wav chunk steps (graphs) at batch 1 / 16 / 64, first and later chunks, fused SnakeBeta on and off,
    cuDNN autotuning on; the top kernels of a later chunk at batch 16.
-3. Thinker prefill: N prompts of P tokens through `Omni.chat` with one output token (TTFT under load).
-4. `h2d`: host time of a small non_blocking host-to-device copy while the stream is busy, from pageable
+3. `kernels`: the talker frame's kernels at batch 1 and 64, code2wav's replays per chunk shape.
+4. Thinker prefill: N prompts of P tokens through `Omni.chat` with one output token (TTFT under load).
+5. `h2d`: host time of a small non_blocking host-to-device copy while the stream is busy, from pageable
    and from page-locked memory (does the copy wait for the step in flight?).
 
 usage: python scripts/gpu_profile.py MODEL_DIR --out FILE [--load-format dummy]
@@ -99,14 +100,29 @@ def step_report(omni: Omni, sizes: list[int]) -> dict:
     return res
 
 
-def profile_talker(omni: Omni, b: int) -> dict:
+def kernel_report(omni: Omni) -> dict:
+    """Talker frame steps (graphs) and the kernels of one frame at batch 1 and 64; code2wav's graph replays
+    per chunk shape, and the kernels of its first and its largest later chunk at batch 16."""
+    tk, r = omni.engine.talkers[0], omni.engine.code2wavs[0].runner
+    res: dict = {"talker_steps": talker_steps(omni, [1, 16, 64], 200)}
+    graphs, tk.runner.graphs = tk.runner.graphs, None
+    res.update({f"talker_profile_b{b}": profile_talker(omni, b, 40) for b in (1, 64)})
+    tk.runner.graphs = graphs
+    res["code2wav_graph_ms"] = code2wav_steps(omni, [1, 16, 64])
+    for shape in ((r.shapes[True][0], True), (r.shapes[False][-1], False)):
+        name = f"code2wav_profile_b16_{'first' if shape[1] else 'later'}{shape[0]}"
+        res[name] = top_kernels(lambda: r._forward(16, shape), r.streamer.cache.pos.device, 40)
+    return res
+
+
+def profile_talker(omni: Omni, b: int, n: int = 25) -> dict:
     st = omni.engine.talkers[0]
     ids = [f"prof{i}" for i in range(b)]
     tables = [st.blocks.allocate(r, 264) for r in ids]
     fb = FrameBatch(torch.randn(b, st.runner.inputs.shape[1], device=st.device, dtype=st.dtype) * 0.02, [1] * b,
                     [200] * b, tables, [TalkerSamplingParams(ignore_eos=True)] * b, list(range(b)), [10] * b,
                     [st.penalties.scratch] * b)
-    out = top_kernels(lambda: st.runner.run(fb), st.device, 25)
+    out = top_kernels(lambda: st.runner.run(fb), st.device, n)
     for r in ids:
         st.blocks.release(r)
     return out
@@ -168,7 +184,7 @@ def main() -> None:
     sizes = [int(s) for s in a.sizes.split(",")]
     parts = {"steps": lambda: step_report(omni, sizes), "code2wav": lambda: code2wav_report(omni, sizes),
              "prefill": lambda: {f"n{n}": prefill_report(omni, n, 160) for n in (1, 64)},
-             "h2d": lambda: h2d_report(omni.engine.thinker.device)}
+             "h2d": lambda: h2d_report(omni.engine.thinker.device), "kernels": lambda: kernel_report(omni)}
     for name in a.parts.split(","):
         t = time.perf_counter()
         try:
