@@ -24,9 +24,11 @@ BUCKETS = (16, 32, 64, 128, 256)
 
 
 @functools.cache
-def omni(prefill: bool) -> Omni:
+def omni(prefill: bool, budget: int = 8192) -> Omni:
+    """`budget`: the thinker's token budget per step."""
     d = tiny_checkpoint("tiny")
-    small = {"stages": {"thinker": {"block_size": BLOCK}, "talker": {"block_size": BLOCK}}}
+    small = {"stages": {"thinker": {"block_size": BLOCK, "max_batch_size": 4, "max_num_batched_tokens": budget},
+                        "talker": {"block_size": BLOCK}}}
     cfg = load_deploy_config(default_deploy_config(d), platform="cpu", overrides=small)
     # NOTE: cuda_graph set past validation (the cpu platform refuses it): the runners run eagerly here.
     stages = {name: replace(getattr(cfg.stages, name), cuda_graph=True, cuda_graph_batch_sizes=(1, 2, 4),
@@ -72,6 +74,30 @@ def test_tokens_codes_and_audio_equal_eager_prefills() -> None:
     for a, b in zip(ran, eager):
         assert a.token_ids == b.token_ids and np.array_equal(a.codes, b.codes)
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("budget, steps", [(40, [[11, 25], [10, 18]]), (20, [[11], [19], [6, 10], [17], [1]])])
+def test_a_prompt_is_split_only_when_it_prefills_alone(budget: int, steps: list[list[int]]) -> None:
+    """Whole prompts fill a step while they fit its budget (prompts of 11, 25, 10 and 18 tokens): a split
+    prompt's later chunks miss the prefill graphs. One longer than what is left is split only when no other
+    prompt prefills in the step (at budget 20: 25 tokens as 19 beside a decode row, then 6; 18 as 17 beside
+    three decode rows, then 1)."""
+    o = omni(True, budget)
+    stage, chunks = o.engine.thinker, []
+    eager = stage.eager
+
+    def spy(batch):
+        chunks.append([n for s, n in batch if s.in_prefill])
+        return eager(batch)
+
+    stage.eager = spy
+    try:
+        ran = chat(o, 4, audio=False)
+    finally:
+        stage.eager = eager
+    assert [c for c in chunks if c] == steps
+    assert [r.usage.prompt_tokens for r in ran] == [11, 25, 10, 18]
+    assert [r.token_ids for r in ran] == [r.token_ids for r in chat(omni(True), 4, audio=False)]
 
 
 def test_run_matches_the_eager_forward_and_writes_only_live_slots() -> None:

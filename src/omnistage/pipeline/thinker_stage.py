@@ -104,7 +104,10 @@ class ThinkerStage(AsyncOutputStep):
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size and self.penalties.num_free:
             seq = self.waiting[0]
             total = seq.prompt_len + seq.req.sampling.max_tokens
-            if not self.blocks.can_allocate(seq.req.request_id, total):
+            # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
+            # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
+            if not self.blocks.can_allocate(seq.req.request_id, total) or (
+                    seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)):
                 break
             self.blocks.allocate(seq.req.request_id, total)
             seq.slot = self.penalties.acquire(seq.prompt_ids)
