@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from omnistage.layers.sampling import SamplingTensors
 
 MAX_VOCAB = 8192
+SEARCH_ARY = 8  # probes per round of the threshold searches: one reduction a round, ~log_ARY(2^31) rounds
 
 
 def supports(logits: torch.Tensor) -> bool:
@@ -56,28 +57,34 @@ if triton is not None:
         return x
 
     @triton.jit
-    def _kth_key(key, m, top_k, vocab):
+    def _kth_key(key, m, top_k, vocab, ARY: tl.constexpr):
         lo = tl.min(tl.where(m, key, 2147483647), 0).to(tl.int64)
         hi = tl.where((top_k > 0) & (top_k < vocab), tl.max(key, 0).to(tl.int64), lo)
-        while lo < hi:  # the largest key t with count(key >= t) >= k
-            mid = lo + (hi - lo + 1) // 2
-            ok = tl.sum((m & (key >= mid.to(tl.int32))).to(tl.int32), 0) >= top_k
-            lo = tl.where(ok, mid, lo)
-            hi = tl.where(ok, hi, mid - 1)
+        j = tl.arange(0, ARY).to(tl.int64)
+        while lo < hi:  # the largest key t with count(key >= t) >= k; ARY - 1 probes a round (one reduction)
+            step = (hi - lo + ARY) // ARY
+            t = lo + j * step
+            count = tl.sum((m[None, :] & (key[None, :] >= t[:, None].to(tl.int32))).to(tl.int32), 1)
+            last = tl.sum(((t <= hi) & (count >= top_k)).to(tl.int64), 0) - 1  # probe 0 (lo) always holds
+            hi = tl.minimum(hi, lo + (last + 1) * step - 1)
+            lo = lo + last * step
         return lo
 
     @triton.jit
-    def _top_p_keep(key, p, live, thr):
+    def _top_p_keep(key, p, live, thr, ARY: tl.constexpr):
         # NOTE: sums in another order than torch's softmax and cumsum move the edge (and the min-p cut) only
         # where a cumulative sum lies within float rounding (~1e-6) of `1 - top_p`. Ids with p == 0 are cut
         # as torch cuts them (a cumsum of 0 <= 1 - top_p); with top_p >= 1 no search runs.
         lo = tl.min(tl.where(live, key, 2147483647), 0).to(tl.int64)
         hi = tl.where(thr > 0, tl.max(key, 0).to(tl.int64), lo)
-        while lo < hi:  # the smallest key t with sum(p[key <= t]) > thr, else the max
-            mid = lo + (hi - lo) // 2
-            above = tl.sum(tl.where(key <= mid.to(tl.int32), p, 0.0), 0) > thr
-            hi = tl.where(above, mid, hi)
-            lo = tl.where(above, lo, mid + 1)
+        j = tl.arange(0, ARY).to(tl.int64)
+        while lo < hi:  # the smallest key t with sum(p[key <= t]) > thr, else the max; ARY probes a round
+            step = (hi - lo + ARY) // ARY
+            t = tl.minimum(lo + j * step, hi)
+            mass = tl.sum(tl.where(key[None, :] <= t[:, None].to(tl.int32), p[None, :], 0.0), 1)
+            first = tl.sum(((t < hi) & (mass <= thr)).to(tl.int64), 0)  # probes below the answer
+            hi = tl.where(first < ARY, tl.minimum(lo + first * step, hi), hi)
+            lo = tl.where(first > 0, lo + (first - 1) * step + 1, lo)
         tie = live & (key == lo)
         rank = tl.cumsum(tie.to(tl.int32), 0)
         below = tl.sum(tl.where(key < lo, p, 0.0), 0)
@@ -86,12 +93,12 @@ if triton is not None:
         return live & (p > 0) & ((key > lo) | (tie & ~cut))
 
     @triton.jit
-    def _truncated(x, m, top_k, top_p, min_p, vocab):
+    def _truncated(x, m, top_k, top_p, min_p, vocab, ARY: tl.constexpr):
         key = _order_key(x)
-        keep = m & (key >= _kth_key(key, m, top_k, vocab))
+        keep = m & (key >= _kth_key(key, m, top_k, vocab, ARY))
         x = tl.where(keep, x, -float("inf"))
         e = libdevice.exp(x - tl.max(x, 0))
-        keep = _top_p_keep(key, tl.math.div_rn(e, tl.sum(e, 0)), keep, 1.0 - top_p)
+        keep = _top_p_keep(key, tl.math.div_rn(e, tl.sum(e, 0)), keep, 1.0 - top_p, ARY)
         s = tl.sum(tl.where(keep, e, 0.0), 0)
         keep = keep & (tl.math.div_rn(e, s) >= min_p * tl.math.div_rn(1.0, s))
         return tl.where(keep, x, -float("inf"))
@@ -105,7 +112,7 @@ if triton is not None:
                        temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, seeds_ptr,
                        steps_ptr, out_ptr, vocab, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr,
                        HAS_SUPPRESS: tl.constexpr, SAMPLE: tl.constexpr, TRUNCATE: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, ARY: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < vocab
@@ -118,7 +125,7 @@ if triton is not None:
             x = tl.math.div_rn(x, tl.where(temp > 0, temp, 1.0))
             if TRUNCATE:
                 x = _truncated(x, m, tl.load(top_k_ptr + row), tl.load(top_p_ptr + row),
-                               tl.load(min_p_ptr + row), vocab)
+                               tl.load(min_p_ptr + row), vocab, ARY)
             drawn = _race(x, cols, tl.load(seeds_ptr + row), tl.load(steps_ptr + row))
             token = tl.where(temp > 0, drawn, token)
         tl.store(out_ptr + row, token.to(tl.int64))
@@ -148,5 +155,5 @@ def fused_sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
         st.temperature, st.top_k, st.top_p, st.min_p, st.repetition_penalty, st.presence_penalty,
         st.frequency_penalty, st.seeds, steps, out, vocab, HAS_SEEN=seen is not None,
         HAS_COUNTS=counts is not None, HAS_SUPPRESS=suppress is not None, SAMPLE=not st.all_greedy,
-        TRUNCATE=st.need_truncation, BLOCK=block, num_warps=min(16, max(4, block // 512)), enable_fp_fusion=False)
+        TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY, num_warps=min(16, max(4, block // 512)), enable_fp_fusion=False)
     return out

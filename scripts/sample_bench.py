@@ -1,0 +1,60 @@
+"""Times the fused sampler (`layers.triton_sampling.fused_sample`) on the H200 at the code predictor's and
+the talker's shapes for several `SEARCH_ARY` values (probes per round of its threshold searches): 50 calls
+captured in one CUDA graph, us per call; prints a table and writes JSON.
+
+usage: python scripts/sample_bench.py --out FILE
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from omnistage.layers import triton_sampling
+from omnistage.layers.sampling import SamplingTensors
+
+
+def time_graph(fn, calls: int = 50, reps: int = 5) -> float:
+    """us per call of `fn`, `calls` of it captured in one CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(calls):
+            fn()
+    g.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (calls * reps)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True)
+    a = p.parse_args()
+    res: dict = {}
+    for b, vocab, top_k, top_p in ((1, 2048, 50, 0.8), (64, 2048, 50, 0.8), (1, 3072, 50, 1.0)):
+        params = [{"temperature": 1.0, "top_k": top_k, "top_p": top_p}] * b
+        st = SamplingTensors.build([argparse.Namespace(**q) for q in params], list(range(b)), "cuda")
+        logits = torch.randn(b, vocab, device="cuda") * 3
+        steps = torch.zeros(b, dtype=torch.long, device="cuda")
+        ref = None
+        for ary in (2, 4, 8, 16):
+            triton_sampling.SEARCH_ARY = ary
+            out = triton_sampling.fused_sample(logits, st, steps)
+            ref = out if ref is None else ref
+            us = time_graph(lambda: triton_sampling.fused_sample(logits, st, steps))
+            res[f"b{b}_v{vocab}_k{top_k}_p{top_p}_ary{ary}"] = {"us": round(us, 2), "same": bool((out == ref).all())}
+            print(b, vocab, top_k, top_p, ary, round(us, 2), bool((out == ref).all()))
+    with open(a.out, "w") as f:
+        json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
