@@ -1,4 +1,5 @@
-"""Merged projections (one GEMM for q/k/v and for gate/up, `decoder.fuse_projections`) and the kernels that
+"""Merged projections (one GEMM for q/k/v, for gate/up and for a router with its shared expert's gate,
+`decoder.fuse_projections`) and the kernels that
 read their outputs in place (`triton_norm.rms_norm_qk`, `triton_activation.silu_mul`): on the GPU, or in
 Triton's interpreter on the CPU (conftest); fp32 there, bf16 with exactness checks on the GPU."""
 
@@ -18,6 +19,7 @@ from omnistage.layers import triton_activation, triton_norm, triton_ops
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.mlp import SwiGLUMLP
+from omnistage.layers.moe import SparseMoeBlock
 from omnistage.layers.norm import rms_norm_reference
 from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
 from omnistage.models.qwen3_omni.decoder import DecoderAttention, fuse_projections
@@ -143,8 +145,8 @@ def test_fused_talker_decoder_matches_unfused(preset: str, kernels: bool, monkey
     got = _prefill_then_decode(fused, embeds)
     for a, b in zip(got, want):
         assert rel(a, b) < TOL
-    # per layer and forward: q/k/v 3 -> 1 GEMM, shared expert gate/up 2 -> 1
-    assert unfused_calls - calls[0] == 2 * len(ref.layers) * 3
+    # per layer and forward: q/k/v 3 -> 1 GEMM, shared expert gate/up 2 -> 1, router and shared expert gate 2 -> 1
+    assert unfused_calls - calls[0] == 2 * len(ref.layers) * 4
 
 
 @torch.no_grad()
@@ -173,6 +175,8 @@ def _merged(module: torch.nn.Module) -> list[tuple[torch.Tensor, list[torch.Tens
             out.append((m.qkv_weight, [m.q_proj.weight, m.k_proj.weight, m.v_proj.weight]))
         elif isinstance(m, SwiGLUMLP):
             out.append((m.gate_up_weight, [m.gate_proj.weight, m.up_proj.weight]))
+        elif isinstance(m, SparseMoeBlock) and m.shared_expert is not None:
+            out.append((m.router_weight, [m.gate.weight, m.shared_expert_gate.weight]))
     return out
 
 
@@ -185,7 +189,7 @@ def test_fused_module_holds_no_second_copy() -> None:
     storages = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
     assert sum(storages.values()) == param_bytes  # every parameter byte stored once, nothing beside
     merged = _merged(module)
-    assert len(merged) == 2 * (len(module.model.layers) + len(module.code_predictor.model.layers))
+    assert len(merged) == 3 * len(module.model.layers) + 2 * len(module.code_predictor.model.layers)
     for weight, parts in merged:
         assert all(p.untyped_storage().data_ptr() == weight.untyped_storage().data_ptr() for p in parts)
         assert weight.untyped_storage().nbytes() == sum(p.nbytes for p in parts)

@@ -92,6 +92,20 @@ def test_unpermute_matches_eager_chain(t: int, k: int, h: int) -> None:
     assert torch.equal(out, ref) if EXACT else rel(out, ref) < 1e-6
 
 
+@pytest.mark.parametrize("t,k,h", [(37, 6, 96), (16, 8, 2048)])
+def test_unpermute_adds_the_gated_shared_expert(t: int, k: int, h: int) -> None:
+    g = torch.Generator(DEV).manual_seed(h + 1)
+    y = torch.randn(t * k, h, device=DEV, generator=g).to(DTYPE)
+    weights = torch.rand(t, k, device=DEV, generator=g).to(DTYPE)
+    pos = torch.randperm(t * k, device=DEV, generator=g)
+    logits = (torch.randn(t, 9, device=DEV, generator=g) * 4).to(DTYPE)  # router logits with the gate last
+    shared = (logits[:, 8:], torch.randn(t, h, device=DEV, generator=g).to(DTYPE))
+    out = triton_moe.moe_unpermute(y, weights, pos, shared)
+    ref = moe.add_shared(moe.unpermute(y, weights, pos), shared)
+    assert torch.equal(out, ref) if EXACT else rel(out, ref) < 1e-6
+    assert rel(out, moe.unpermute(y, weights, pos)) > 1e-2  # the shared term is there
+
+
 def moe_case(t: int, h: int, e: int, i: int, k: int):
     g = torch.Generator(DEV).manual_seed(t)
     x = torch.randn(t, h, device=DEV, generator=g)

@@ -18,7 +18,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers import triton_fused_moe, triton_moe
+from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
+
+Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 from omnistage.layers.triton_ops import fast_path
 
 
@@ -59,26 +62,34 @@ def unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torc
     return (y[pos].view(*weights.shape, -1) * weights[..., None]).sum(dim=1)
 
 
-def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                          weights: torch.Tensor, ids: torch.Tensor, fused_ops: bool = False) -> torch.Tensor:
+def add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
+    """`out + sigmoid(gate) * shared_out` (the eager chain that `triton_moe.moe_unpermute` fuses)."""
+    return out if shared is None else out + torch.sigmoid(shared[0]) * shared[1]
+
+
+def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                          ids: torch.Tensor, fused_ops: bool = False, shared: Shared | None = None) -> torch.Tensor:
     kernel_sort = fused_ops and ids.numel() <= triton_moe.MAX_ALIGN_SLOTS
     token, pos, offs = (triton_moe.moe_align if kernel_sort else sort_by_expert)(ids, w_gate_up.shape[0])
     gate_up = torch._grouped_mm(x[token], w_gate_up.transpose(1, 2), offs=offs)
     y = torch._grouped_mm(silu_mul(gate_up), w_down.transpose(1, 2), offs=offs)
-    return (triton_moe.moe_unpermute if fused_ops else unpermute)(y, weights, pos)
+    if fused_ops:
+        return triton_moe.moe_unpermute(y, weights, pos, shared)
+    return add_shared(unpermute(y, weights, pos), shared)
 
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                  weights: torch.Tensor, ids: torch.Tensor, shared: Shared | None = None) -> torch.Tensor:
     """Path choice: on the fast path up to `triton_fused_moe.MAX_SLOTS` bf16 slots (decode) the fused Triton
     experts; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned; with `fast_path` its bookkeeping in
-    Triton kernels); the reference loop otherwise."""
+    Triton kernels); the reference loop otherwise. `shared` is added as `add_shared` adds it (in the un-permute
+    kernel on the fast path)."""
     if fast_path(x) and x.dtype == torch.bfloat16 and ids.numel() <= triton_fused_moe.MAX_SLOTS:
-        return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids)
+        return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared)
     aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
-        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x))
-    return fused_experts_reference(x, w_gate_up, w_down, weights, ids)
+        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x), shared)
+    return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids), shared)
 
 
 class FusedExperts(nn.Module):
@@ -87,8 +98,9 @@ class FusedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids)
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: Shared | None = None
+                ) -> torch.Tensor:
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, shared)
 
 
 class SparseMoeBlock(nn.Module):
@@ -104,10 +116,20 @@ class SparseMoeBlock(nn.Module):
         shared = shared_intermediate_size > 0
         self.shared_expert = SwiGLUMLP(hidden_size, shared_intermediate_size) if shared else None
         self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False) if shared else None
+        self.router_weight: torch.Tensor | None = None
+
+    def fuse_projections(self) -> None:
+        """The router and the shared expert's gate as one GEMM (their weights become views into
+        `router_weight` [E + 1, H])."""
+        if self.shared_expert is not None:
+            self.router_weight, _ = merge_linears([self.gate, self.shared_expert_gate])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = select_experts(self.gate(x), self.top_k, self.norm_topk_prob)
-        out = self.experts(x, weights, ids)
+        logits = self.gate(x) if self.router_weight is None else F.linear(x, self.router_weight)
+        e = self.gate.out_features
+        weights, ids = select_experts(logits[:, :e], self.top_k, self.norm_topk_prob)
+        shared = None
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return out
+            gate = self.shared_expert_gate(x) if self.router_weight is None else logits[:, e:]
+            shared = (gate, self.shared_expert(x))
+        return self.experts(x, weights, ids, shared)

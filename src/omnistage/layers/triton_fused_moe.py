@@ -101,10 +101,10 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor) -> torch.Tensor:
+              ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`out [T, H]` of `x [T, H]` through the experts `ids [T, k]` weighted by `weights [T, k]`;
-    `w_gate_up [E, 2I, H]` (gate rows first), `w_down [E, H, I]`."""
+    `w_gate_up [E, 2I, H]` (gate rows first), `w_down [E, H, I]`; `shared`: see `triton_moe.moe_unpermute`."""
     # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
     act = expert_gemm(x, w_gate_up, token, offs, gated=True)
-    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, gated=False), weights, pos)
+    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, gated=False), weights, pos, shared)

@@ -6,8 +6,9 @@ argsort, counts, cumsum, gathers, the weighted un-permute); these three kernels 
   program per token; ids and order as `torch.topk` (descending; equal probabilities: the lower expert first).
 - `moe_align(ids, num_experts)`: the flat slots counting-sorted by expert (stable, as `argsort(stable=True)`),
   one program per expert; `token` (source token of each sorted row), `pos` (sorted row of each slot), `offs`.
-- `moe_unpermute(y, weights, pos)`: `out[t] = sum_j round(y[pos[t, j]] * w[t, j])`, products rounded to the
-  dtype as eager bf16 rounds them, summed in fp32 over j = 0..k-1 and rounded once.
+- `moe_unpermute(y, weights, pos, shared)`: `out[t] = sum_j round(y[pos[t, j]] * w[t, j])`, products rounded to
+  the dtype as eager bf16 rounds them, summed in fp32 over j = 0..k-1 and rounded once; then the talker's shared
+  expert, `+ sigmoid(gate) * shared` (three eager kernels a layer less).
 All shapes follow the inputs' shapes (no host syncs): CUDA-graph capturable.
 NOTE: Triton flushes fp32 denormals, so probabilities below ~1e-38 are 0 here (torch keeps them): only a row
 whose k-th probability is that small (logit gaps over ~87) can pick other experts than torch, with weight 0.
@@ -27,11 +28,11 @@ if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
 
     @triton.jit
-    def _route_kernel(logits_ptr, w_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
+    def _route_kernel(logits_ptr, stride, w_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
                       RENORM: tl.constexpr, E_PAD: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, E_PAD)
-        x = tl.load(logits_ptr + t * num_experts + cols, mask=cols < num_experts, other=-float("inf"))
+        x = tl.load(logits_ptr + t * stride + cols, mask=cols < num_experts, other=-float("inf"))
         x = x.to(tl.float32)
         e = libdevice.exp(x - tl.max(x, 0))
         p = libdevice.div_rn(e, tl.sum(e, 0))  # NOTE: padding lanes are 0: after every real expert on ties
@@ -71,7 +72,8 @@ if triton_ops.triton is not None:
             below += tl.sum(hit.to(tl.int32), 0)
 
     @triton.jit
-    def _unpermute_kernel(y_ptr, w_ptr, pos_ptr, out_ptr, hidden, TOP_K: tl.constexpr, BLOCK: tl.constexpr):
+    def _unpermute_kernel(y_ptr, w_ptr, pos_ptr, g_ptr, g_stride, s_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
+                          SHARED: tl.constexpr, BLOCK: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < hidden
@@ -82,16 +84,23 @@ if triton_ops.triton is not None:
             w = tl.load(w_ptr + t * TOP_K + j).to(tl.float32)
             y = tl.load(y_ptr + row * hidden + cols, mask=m, other=0.0).to(tl.float32)
             acc += (y * w).to(dt).to(tl.float32)
-        tl.store(out_ptr + t * hidden + cols, acc.to(dt), mask=m)
+        out = acc.to(dt)
+        if SHARED:  # + sigmoid(gate) * shared, each op rounded to the dtype as the eager chain rounds it
+            g = tl.load(g_ptr + t * g_stride).to(tl.float32)
+            gate = libdevice.div_rn(1.0, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
+            s = tl.load(s_ptr + t * hidden + cols, mask=m, other=0.0).to(tl.float32)
+            out = (out.to(tl.float32) + (gate * s).to(dt).to(tl.float32)).to(dt)
+        tl.store(out_ptr + t * hidden + cols, out, mask=m)
 
 
 def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in the logits dtype, expert ids [T, k] int64) of `router_logits [T, E]`."""
-    logits = router_logits.contiguous()
+    """(weights [T, k] in the logits dtype, expert ids [T, k] int64) of `router_logits [T, E]` (rows may be
+    strided)."""
+    logits = router_logits if router_logits.stride(-1) == 1 else router_logits.contiguous()
     t, e = logits.shape
     weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.long, device=logits.device)
-    _route_kernel[(t,)](logits, weights, ids, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
+    _route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
                         RENORM=renormalize, E_PAD=triton.next_power_of_2(e), num_warps=1)
     return weights, ids
 
@@ -110,12 +119,16 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return token, pos, offs
 
 
-def moe_unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-    """`out [T, H]`: each token's k expert rows `y[pos]` scaled by `weights [T, k]` and summed."""
+def moe_unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+    """`out [T, H]`: each token's k expert rows `y[pos]` scaled by `weights [T, k]` and summed; with `shared`
+    (gate logits [T, 1], rows may be strided; shared expert output [T, H]) plus `sigmoid(gate) * shared`."""
     y = y.contiguous()
+    gate, s = shared if shared is not None else (y, y)
     t, k = weights.shape
     h = y.shape[1]
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(h))
-    _unpermute_kernel[(t, triton.cdiv(h, block))](y, weights.contiguous(), pos, out, h, TOP_K=k, BLOCK=block)
+    _unpermute_kernel[(t, triton.cdiv(h, block))](y, weights.contiguous(), pos, gate, gate.stride(0), s.contiguous(),
+                                                   out, h, TOP_K=k, SHARED=shared is not None, BLOCK=block)
     return out

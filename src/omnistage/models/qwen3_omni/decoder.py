@@ -5,7 +5,8 @@
 - code predictor: dense SwiGLU layers, 1-D RoPE (no `mrope_section`).
 Every attention has q/k RMSNorm over head_dim (before RoPE) and reads the paged KV cache through the
 `ForwardContext` (see `omnistage.layers.context`). Module names mirror the checkpoint's.
-`fuse_projections` (CUDA, after loading) runs q/k/v and each dense gate/up as one GEMM.
+`fuse_projections` (CUDA, after loading) runs q/k/v, each dense gate/up and a router with its shared expert's gate
+as one GEMM.
 """
 
 from __future__ import annotations
@@ -180,10 +181,10 @@ class DecoderModel(nn.Module):
 
 
 def fuse_projections(module: nn.Module) -> None:
-    """The fast path's merged GEMMs: q/k/v of every decoder attention and gate/up of every dense SwiGLU in
-    `module` run as one GEMM each. The per-projection weights become views into the merged ones, so no second
+    """The fast path's merged GEMMs: q/k/v of every decoder attention, gate/up of every dense SwiGLU and the
+    router with the shared expert's gate of every MoE block that has one in `module` run as one GEMM each. The per-projection weights become views into the merged ones, so no second
     copy is held and module and parameter names stay the checkpoint's (loading later still works).
     NOTE: call once the module is on its device and dtype (`layers.linear.merge_linears`)."""
     for m in module.modules():
-        if isinstance(m, (DecoderAttention, SwiGLUMLP)):
+        if isinstance(m, (DecoderAttention, SwiGLUMLP, SparseMoeBlock)):
             m.fuse_projections()
