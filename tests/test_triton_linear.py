@@ -105,8 +105,12 @@ def test_supports(monkeypatch) -> None:
                (x[:, :32], w[:, ::2]), (x, w.to(half)), (x[:, :48], w), (x[:, :40], w[:, :40].contiguous()),
                (x, w[:40]), (x, w[None])]
     assert [triton_linear.supports(a, b) for a, b in refused] == [False] * len(refused)
-    monkeypatch.setattr(triton_linear, "ENABLED", False)
+    monkeypatch.setitem(triton_linear.CONFIGS, (48, 64, 16, False), None)  # rows <= 16 left to cuBLAS
     assert not triton_linear.supports(x, w)
+    assert triton_linear.supports(x, w, gated=True) and triton_linear.supports(rows[:17], w)
+    torch.testing.assert_close(triton_linear.linear(x, w).float(), F.linear(x, w).float(), **TOL)  # heuristic tiles
+    monkeypatch.setattr(triton_linear, "ENABLED", False)
+    assert not triton_linear.supports(rows[:17], w)
     monkeypatch.setattr(triton_linear, "ENABLED", True)
     monkeypatch.setattr(triton_ops, "fast_path", lambda t: False)
     assert not triton_linear.supports(x, w)

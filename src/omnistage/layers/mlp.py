@@ -22,7 +22,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 def gate_up_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
     """`silu_mul(F.linear(x, gate_up_weight))`: one skinny Triton GEMM where `triton_linear` supports it."""
-    if triton_linear.supports(x, gate_up_weight):
+    if triton_linear.supports(x, gate_up_weight, gated=True):
         return triton_linear.linear_silu_mul(x, gate_up_weight)
     return silu_mul(F.linear(x, gate_up_weight))
 

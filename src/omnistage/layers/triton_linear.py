@@ -20,8 +20,8 @@ from omnistage.layers import triton_ops
 ENABLED = os.environ.get("OMNISTAGE_TRITON_LINEAR", "1") != "0"
 MAX_M = 64
 Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k
-# (weight rows N, K, M bucket, gated) -> Config
-CONFIGS: dict[tuple[int, int, int, bool], Config] = {}
+# (weight rows N, K, M bucket, gated) -> Config, or None: F.linear (+ silu_mul) is faster there
+CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {}
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded
@@ -91,13 +91,14 @@ if triton_ops.triton is not None:
         tl.store(out_ptr + row * N + cols, out, mask=col_m)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """The skinny kernels take `x [M, K]` (unit column stride, 1 <= M <= MAX_M) and a contiguous `weight [N, K]`
-    of x's dtype, K and N multiples of 16, on the fast path."""
+    of x's dtype, K and N multiples of 16, on the fast path, unless `CONFIGS` leaves the shape to cuBLAS."""
     return (ENABLED and triton_ops.fast_path(x) and x.dim() == 2 and x.stride(1) == 1
             and 0 < x.shape[0] <= MAX_M and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype == x.dtype and weight.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
-            and weight.shape[0] % 16 == 0 and weight.numel() < 2**31)
+            and weight.shape[0] % 16 == 0 and weight.numel() < 2**31
+            and CONFIGS.get((*weight.shape, m_bucket(x.shape[0]), gated), ()) is not None)
 
 
 def m_bucket(m: int) -> int:
@@ -106,9 +107,9 @@ def m_bucket(m: int) -> int:
 
 def config(n: int, k: int, m: int, gated: bool) -> Config:
     """`CONFIGS[(n, k, m_bucket(m), gated)]`, else enough column tiles to cover the SMs (~132 on an H100/H200)."""
-    bucket = m_bucket(m)
-    if (n, k, bucket, gated) in CONFIGS:
-        return CONFIGS[n, k, bucket, gated]
+    tiles = CONFIGS.get((n, k, m_bucket(m), gated))
+    if tiles is not None:
+        return tiles
     cols = n // 2 if gated else n
     block_n = 64 if cols >= 64 * 256 else 32 if cols >= 32 * 128 else 16
     return 16, block_n, 128 if block_n == 64 else 256, 4, 4, 1
