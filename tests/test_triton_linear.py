@@ -66,7 +66,8 @@ def test_linear_matches_f_linear(m: int, n: int, k: int, tiles: tuple | None, bi
     out = triton_linear.linear(x, w, b)
     assert out.shape == (m, n) and out.dtype == DTYPE
     torch.testing.assert_close(out.float(), F.linear(x, w, b).float(), **TOL)
-    block_m, block_n, _, _, _, split = tiles or triton_linear.config(n, k, m, False)
+    block_m, block_n, block_k, _, _, split = tiles or triton_linear.config(n, k, m, False)
+    split = triton_linear._fit(k, block_k, split)[1]
     assert launched["_skinny_gemm_kernel"] == [((-(-m // block_m), -(-n // block_n), split), False, split)]
     assert launched["_split_k_reduce_kernel"] == ([((m, 1), False, split)] if split > 1 else [])
 
@@ -81,7 +82,8 @@ def test_linear_silu_mul_matches_eager(m: int, n: int, k: int, tiles: tuple | No
     out = triton_linear.linear_silu_mul(x, w)
     assert out.shape == (m, n // 2) and out.dtype == DTYPE
     torch.testing.assert_close(out.float(), mlp.silu_mul(F.linear(x, w)).float(), **TOL)
-    split = (tiles or triton_linear.config(n, k, m, True))[5]
+    _, _, block_k, _, _, split = tiles or triton_linear.config(n, k, m, True)
+    split = triton_linear._fit(k, block_k, split)[1]
     assert [g[1:] for g in launched["_skinny_gemm_kernel"]] == [(True, split)]
     assert len(launched["_split_k_reduce_kernel"]) == (split > 1)
 
