@@ -16,6 +16,7 @@ import pkgutil
 import sys
 from collections.abc import Callable
 from types import SimpleNamespace
+from unittest import mock
 
 os.environ.pop("TRITON_INTERPRET", None)  # NOTE: before Triton loads: real kernels, not the interpreter
 
@@ -67,6 +68,14 @@ def static_attention(attn, pos: int, n: int, rows: int = 16) -> object:
     return attn.static_attention_with_kvcache(q, k, v, cache[0], cache[1], pos, rows, 0.088)
 
 
+def skinny(lin, rows: int, n: int, k: int, gated: bool = False, split_k: int = 1) -> object:
+    """A decode GEMM of `triton_linear` (`rows` x `k` by a `[n, k]` weight); `split_k` > 1 forces that split."""
+    x, w = torch.empty(rows, k, dtype=BF16), torch.empty(n, k, dtype=BF16)
+    tiles = {(n, k, lin.m_bucket(rows), gated): (16, 16, 256, 4, 4, split_k)} if split_k > 1 else {}
+    with mock.patch.dict(lin.CONFIGS, tiles):
+        return lin.linear_silu_mul(x, w) if gated else lin.linear(x, w)
+
+
 def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
     """One call per launch shape worth checking (m: the triton_* modules by short name)."""
     norm, ops, act, moe, smp, fmoe = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling", "fused_moe"))
@@ -100,6 +109,11 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
         ("decode attention talker", lambda: decode_attention(m["attention"], 16, 2)),
         ("static attention, first pass", lambda: static_attention(m["attention"], 0, 2)),
         ("static attention, pass 5", lambda: static_attention(m["attention"], 5, 1)),
+        ("skinny linear, code predictor qkv", lambda: skinny(m["linear"], 1, 4096, 1024)),
+        ("skinny linear, thinker o_proj 64 rows", lambda: skinny(m["linear"], 64, 2048, 4096)),
+        ("skinny linear_silu_mul, code predictor", lambda: skinny(m["linear"], 16, 6144, 1024, gated=True)),
+        ("skinny linear, split-K down", lambda: skinny(m["linear"], 1, 1024, 3072, split_k=4)),
+        ("skinny linear_silu_mul, split-K talker", lambda: skinny(m["linear"], 1, 1536, 1024, True, split_k=2)),
         ("sample, greedy", lambda: smp.fused_sample(logits, greedy, steps)),
         ("sample, penalties", lambda: smp.fused_sample(logits, sampled, steps, seen, seen.int(), seen[0])),
     ]

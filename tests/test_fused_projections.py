@@ -15,7 +15,7 @@ from conftest import KERNEL_DEVICE as DEV
 from conftest import hf_reference, hf_stage_state
 from transformers import Qwen3OmniMoeConfig
 
-from omnistage.layers import triton_activation, triton_norm, triton_ops
+from omnistage.layers import triton_activation, triton_linear, triton_norm, triton_ops
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import build_context, forward_context
 from omnistage.layers.mlp import SwiGLUMLP
@@ -110,13 +110,17 @@ def _pair(module: torch.nn.Module, dtype: torch.dtype = DTYPE) -> tuple[torch.nn
 
 
 def _count_linear(monkeypatch) -> list[int]:
-    calls, linear = [0], F.linear
+    """GEMMs run: `F.linear` calls and skinny Triton GEMMs (`layers.linear.linear` on the fast path)."""
+    calls = [0]
 
-    def counting(*args, **kwargs):
-        calls[0] += 1
-        return linear(*args, **kwargs)
+    def counting(fn):
+        def wrapped(*args, **kwargs):
+            calls[0] += 1
+            return fn(*args, **kwargs)
+        return wrapped
 
-    monkeypatch.setattr(F, "linear", counting)
+    monkeypatch.setattr(F, "linear", counting(F.linear))
+    monkeypatch.setattr(triton_linear, "_launch", counting(triton_linear._launch))
     return calls
 
 

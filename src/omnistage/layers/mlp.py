@@ -1,5 +1,6 @@
 """Dense SwiGLU MLP (Qwen3 `gate_proj` / `up_proj` / `down_proj`); `fuse_projections` merges gate and up
-into one GEMM whose output `silu_mul` turns into the activation in one kernel (CUDA fast path)."""
+into one GEMM whose output `silu_mul` turns into the activation in one kernel (CUDA fast path); at decode row
+counts the GEMM and the activation are one kernel (`gate_up_silu_mul`)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import triton_activation, triton_ops
-from omnistage.layers.linear import merge_linears
+from omnistage.layers import triton_activation, triton_linear, triton_ops
+from omnistage.layers.linear import linear, merge_linears
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -17,6 +18,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return triton_activation.silu_mul(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def gate_up_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+    """`silu_mul(F.linear(x, gate_up_weight))`: one skinny Triton GEMM where `triton_linear` supports it."""
+    if triton_linear.supports(x, gate_up_weight, gated=True):
+        return triton_linear.linear_silu_mul(x, gate_up_weight)
+    return silu_mul(F.linear(x, gate_up_weight))
 
 
 class SwiGLUMLP(nn.Module):
@@ -34,4 +42,4 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return self.down_proj(silu_mul(F.linear(x, self.gate_up_weight)))
+        return linear(gate_up_silu_mul(x, self.gate_up_weight), self.down_proj.weight, self.down_proj.bias)

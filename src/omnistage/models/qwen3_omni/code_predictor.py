@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers import triton_attention, triton_ops
+from omnistage.layers.linear import linear
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.models.qwen3_omni.decoder import DecoderConfig, DecoderModel
 
@@ -131,7 +132,7 @@ class CodePredictor(nn.Module):
         for g in range(self.num_code_groups - 1):
             if g > 0:
                 h = self._pass(embeds[-1], g + 1, rows)
-            codes.append(sample(self.lm_head[g](h), st, counters + g + 1))
+            codes.append(sample(linear(h, self.lm_head[g].weight), st, counters + g + 1))
             embeds.append(self.model.codec_embedding[g](codes[-1]))
         # NOTE: one stacked sum, in transformers' order, so greedy parity holds bit for bit.
         return torch.stack(codes, 1), torch.stack(embeds, 1).sum(1)

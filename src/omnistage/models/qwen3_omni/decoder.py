@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers.attention import Attention
-from omnistage.layers.linear import merge_linears
+from omnistage.layers.linear import linear, merge_linears
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
 from omnistage.layers.norm import RMSNorm, add_rms_norm, rms_norm_qk
@@ -106,7 +105,7 @@ class DecoderAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin) if self.qkv_weight is None else self._qkv_fused(x, cos, sin)
-        return self.o_proj(self.attn(q, k, v).flatten(1))
+        return linear(self.attn(q, k, v).flatten(1), self.o_proj.weight, self.o_proj.bias)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
@@ -116,7 +115,7 @@ class DecoderAttention(nn.Module):
 
     def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One GEMM; q/k normed straight from its output, v a strided view of it (no copies)."""
-        qkv = F.linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], -1, self.head_dim)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], -1, self.head_dim)
         nqk = self.num_heads + self.num_kv_heads
         q, k = rms_norm_qk(qkv[:, :nqk], self.q_norm.weight, self.k_norm.weight, self.num_heads,
                            self.q_norm.eps, cos, sin)
