@@ -5,7 +5,8 @@
    profiler: kernel count, top kernels by GPU time).
 2. Code2wav chunk steps (graphs) at batch 1 / 16 / 64, first and later chunks, fused SnakeBeta on and off,
    cuDNN autotuning on; the top kernels of a later chunk at batch 16.
-3. `kernels`: the talker frame's kernels at batch 1 and 64, code2wav's replays per chunk shape.
+3. `kernels`: the talker frame's kernels at batch 1 and 64, talker / thinker steps with each fast-path switch
+   off, code2wav's replays per chunk shape.
 4. Thinker prefill: N prompts of P tokens through `Omni.chat` with one output token (TTFT under load).
 5. `h2d`: host time of a small non_blocking host-to-device copy while the stream is busy, from pageable
    and from page-locked memory (does the copy wait for the step in flight?).
@@ -26,7 +27,7 @@ from gpu_check import sync, talker_steps, thinker_steps, time_steps
 
 from omnistage.engine.cuda_graph import CUDAGraphs
 from omnistage.entrypoints.omni import Omni
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_attention, triton_linear, triton_ops
 from omnistage.pipeline.talker_runner import FrameBatch
 from omnistage.pipeline.thinker_seq import ThinkerSeq
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
@@ -100,11 +101,30 @@ def step_report(omni: Omni, sizes: list[int]) -> dict:
     return res
 
 
+# the fast path's switches, each turned off alone in `kernel_report` (module, flag)
+SWITCHES = {"triton_linear": (triton_linear, "ENABLED"), "attention_qk_norm": (triton_attention, "QK_NORM_ENABLED")}
+
+
+def switch_ablation(omni: Omni) -> dict:
+    """Talker and thinker graph steps at batch 1 and 64 with each of `SWITCHES` off (graphs recaptured)."""
+    tk, th = omni.engine.talkers[0], omni.engine.thinker
+    res = {}
+    for name, (module, flag) in SWITCHES.items():
+        setattr(module, flag, False)
+        with_fused(True, [tk.runner, th.runner])
+        res[f"{name}_off"] = {"talker": talker_steps(omni, [1, 64], 200), "thinker": thinker_steps(omni, [1, 64], 200)}
+        setattr(module, flag, True)
+    with_fused(True, [tk.runner, th.runner])
+    return res
+
+
 def kernel_report(omni: Omni) -> dict:
-    """Talker frame steps (graphs) and the kernels of one frame at batch 1 and 64; code2wav's graph replays
-    per chunk shape, and the kernels of its first and its largest later chunk at batch 16."""
+    """Talker and thinker graph steps, the kernels of one talker frame at batch 1 and 64, the steps with each
+    fast-path switch off; code2wav's graph replays per chunk shape, and the kernels of its first and its
+    largest later chunk at batch 16."""
     tk, r = omni.engine.talkers[0], omni.engine.code2wavs[0].runner
-    res: dict = {"talker_steps": talker_steps(omni, [1, 16, 64], 200)}
+    res: dict = {"talker_steps": talker_steps(omni, [1, 16, 64], 200), "thinker_steps": thinker_steps(omni, [1, 64], 200)}
+    res["switches"] = switch_ablation(omni)
     graphs, tk.runner.graphs = tk.runner.graphs, None
     res.update({f"talker_profile_b{b}": profile_talker(omni, b, 40) for b in (1, 64)})
     tk.runner.graphs = graphs
