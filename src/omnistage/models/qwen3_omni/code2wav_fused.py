@@ -59,10 +59,12 @@ def residual_unit(unit: DecoderResidualUnit, x: torch.Tensor, x_bias: torch.Tens
     """`unit(x + x_bias)`; `x` may be strided, the result is contiguous."""
     h = conv(unit.conv1, activated_input(unit.act1, x, unit.conv1, ctx, x_bias))
     h = triton_ops.snake_beta(h, unit.act2.alpha, unit.act2.beta, unit.conv1.conv.bias)
+    # NOTE: conv2 has kernel 1 (no context to extend or save)
     return triton_conv.bias_residual(x, conv(unit.conv2, h), unit.conv2.conv.bias, x_bias)
 
 
 def decoder_block(block: DecoderBlock, x: torch.Tensor, ctx: StreamContext | None) -> torch.Tensor:
+    """`block(x)`: [B, C, T] -> [B, C / 2, T * rate] (a stream's first chunk: minus the trim)."""
     act, up, *units = block.block
     h = activated_input(act, x, up, ctx)
     y = F.conv_transpose1d(h, up.conv.weight, None, up.stride)
