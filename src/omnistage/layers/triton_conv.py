@@ -35,21 +35,18 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _conv1d_out1_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, length, sxb, sxc, CHANNELS: tl.constexpr,
-                            KERNEL: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_T: tl.constexpr):
+                            KERNEL: tl.constexpr, BLOCK_T: tl.constexpr):
         b = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
         m = cols < length
-        acc = tl.zeros([BLOCK_C, BLOCK_T], dtype=tl.float32)
-        for c0 in range(0, CHANNELS, BLOCK_C):
-            ch = c0 + tl.arange(0, BLOCK_C)
-            mc = ch < CHANNELS
-            rows = x_ptr + b * sxb + ch[:, None].to(tl.int64) * sxc
+        row = x_ptr + b * sxb + cols
+        acc = tl.zeros([BLOCK_T], dtype=tl.float32)
+        for c in range(CHANNELS):
             for k in tl.static_range(KERNEL):
-                w = tl.load(w_ptr + ch * KERNEL + k, mask=mc, other=0.0).to(tl.float32)
-                x = tl.load(rows + (cols + k)[None, :], mask=mc[:, None] & m[None, :], other=0.0).to(tl.float32)
-                acc += x * w[:, None]
+                w = tl.load(w_ptr + c * KERNEL + k).to(tl.float32)
+                acc += tl.load(row + c * sxc + k, mask=m, other=0.0).to(tl.float32) * w
         dt = out_ptr.dtype.element_ty
-        y = tl.sum(acc, axis=0).to(dt).to(tl.float32) + tl.load(bias_ptr).to(tl.float32)
+        y = acc.to(dt).to(tl.float32) + tl.load(bias_ptr).to(tl.float32)
         tl.store(out_ptr + b * length + cols, y.to(dt), mask=m)
 
 
@@ -76,5 +73,5 @@ def conv1d_out1(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     block_t = 256
     _conv1d_out1_kernel[(b, triton.cdiv(n - k + 1, block_t))](x, weight.contiguous(), bias, out, n - k + 1,
                                                              x.stride(0), x.stride(1), CHANNELS=c, KERNEL=k,
-                                                             BLOCK_C=16, BLOCK_T=block_t)
+                                                             BLOCK_T=block_t)
     return out
