@@ -38,9 +38,9 @@ def test_bias_residual_rounds_as_eager(x_bias: bool) -> None:
 def test_conv1d_out1_matches_cudnn(channels: int) -> None:
     """The decoder's last conv (C -> 1, k 7) over a conv input buffer (3 rows), also for C not a multiple of the
     channel block."""
-    x, w, b = _randn(3, channels, 1206, scale=2), _randn(1, channels, 7, scale=0.2, seed=1), _randn(1, seed=2)
+    x, w, b = _randn(3, channels, 518, scale=2), _randn(1, channels, 7, scale=0.2, seed=1), _randn(1, seed=2)
     fused = triton_conv.conv1d_out1(x, w, b)
     ref = F.conv1d(x.float(), w.float(), b.float())
-    assert fused.shape == (3, 1, 1200) and fused.dtype == DTYPE
+    assert fused.shape == (3, 1, 512) and fused.dtype == DTYPE
     tol = 2 ** -7 if DTYPE == torch.bfloat16 else 1e-5  # measured (fp32, 672 terms in sequence): 1.1e-6
     assert float((fused.float() - ref).abs().max()) <= float(ref.abs().max()) * tol
