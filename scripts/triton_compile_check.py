@@ -91,7 +91,8 @@ def skinny(lin, rows: int, n: int, k: int, gated: bool = False, split_k: int = 1
 
 def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
     """One call per launch shape worth checking (m: the triton_* modules by short name)."""
-    norm, ops, act, moe, smp, fmoe = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling", "fused_moe"))
+    norm, ops, act, moe, smp, fmoe, conv = (m[k] for k in ("norm", "ops", "activation", "moe", "sampling", "fused_moe",
+                                                            "conv"))
     x, w = torch.randn(16, 1024, dtype=BF16), torch.ones(1024, dtype=BF16)
     qkv = torch.randn(16, 32, 128, dtype=BF16)  # code predictor: 16 q + 8 k + 8 v heads of one GEMM
     qw, table = torch.ones(128, dtype=BF16), torch.randn(16, 64, dtype=BF16)
@@ -100,6 +101,8 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
     greedy = SamplingTensors.build([SimpleNamespace(temperature=0.0)] * 8, range(8))
     steps, seen = torch.zeros(8, dtype=torch.long), torch.zeros(8, 3072, dtype=torch.bool)
     ids = torch.randint(0, 128, (16, 8))
+    c2w = torch.empty(16, 96, 48006, dtype=BF16)  # code2wav's last level: a later 25-frame chunk's conv input
+    dense = torch.empty(16, 96, 48000, dtype=BF16)
     return [
         ("rms_norm", lambda: norm.rms_norm(x, w, 1e-6)),
         ("rms_norm_qk, strided cos", lambda: norm.rms_norm_qk(qkv[:, :24], qw, qw, 16, 1e-6, table[:16], table[:16])),
@@ -109,6 +112,11 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
         ("add_rms_norm 2048", lambda: norm.add_rms_norm(x.view(8, 2048), x.view(8, 2048), w.repeat(2), 1e-6)),
         ("silu_mul", lambda: act.silu_mul(torch.randn(16, 2 * 3072, dtype=BF16))),
         ("snake_beta", lambda: ops.snake_beta(torch.randn(1, 1024, 2000, dtype=BF16), w, w)),
+        ("snake_beta, trimmed input + bias into a conv buffer",
+         lambda: ops.snake_beta(c2w[..., 3:48003], w[:96], w[:96], w[:96], out=c2w[..., 6:])),
+        ("bias_residual, trimmed input + bias", lambda: conv.bias_residual(c2w[..., 3:48003], dense, w[:96], w[:96])),
+        ("bias_residual", lambda: conv.bias_residual(dense, dense, w[:96])),
+        ("conv1d_out1 96 -> 1, k 7", lambda: conv.conv1d_out1(c2w, torch.empty(1, 96, 7, dtype=BF16), w[:1])),
         ("race_argmax", lambda: ops.race_argmax(logits, sampled.seeds, steps)),
         ("moe route", lambda: moe.route(torch.randn(16, 128, dtype=BF16), 8, True)),
         ("moe align", lambda: moe.moe_align(ids, 128)),

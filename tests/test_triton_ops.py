@@ -57,21 +57,25 @@ def test_rms_norm_rope_matches_torch(mrope) -> None:
     assert not EXACT or (fused != ref).float().mean() < 0.2
 
 
-def test_snake_beta_matches_torch() -> None:
+@pytest.mark.parametrize("folded", [False, True])
+def test_snake_beta_matches_torch(folded: bool) -> None:
+    """Plain, and as the fused decoder runs it: a strided input (a trimmed transposed-conv output) plus the conv's
+    bias, written after the context columns of the next conv's input buffer."""
     m = SnakeBeta(96).to(DEV).to(DTYPE)
     with torch.no_grad():
         m.alpha.normal_(0, 0.5)
         m.beta.normal_(0, 0.5)
-    x = torch.randn(3, 96, 2051, device=DEV).to(DTYPE) * 4
-    fused = triton_ops.snake_beta(x, m.alpha.detach(), m.beta.detach())
-    triton_ops.ENABLED = False
-    try:
-        with torch.no_grad():
-            ref = m(x)
-    finally:
-        triton_ops.ENABLED = True
+    full = torch.randn(3, 96, 2060, device=DEV).to(DTYPE) * 4
+    x = full[..., 5:2056] if folded else full[..., :2051].contiguous()
+    bias = (torch.randn(96, device=DEV) * 2).to(DTYPE) if folded else None
+    buf = torch.full((3, 96, 2057), 7.0, device=DEV, dtype=DTYPE)
+    fused = triton_ops.snake_beta(x, m.alpha.detach(), m.beta.detach(), bias, out=buf[..., 6:] if folded else None)
+    with torch.no_grad():
+        ref = m(x if bias is None else x + bias[:, None])
+    assert fused.data_ptr() == buf[..., 6:].data_ptr() if folded else fused.is_contiguous()
     assert float((fused.float() - ref.float()).abs().max()) <= float(ref.float().abs().max()) * 2 ** -7
     assert not EXACT or (fused != ref).float().mean() < 0.2
+    assert not folded or bool((buf[..., :6] == 7).all())
 
 
 def test_race_argmax_draws_what_the_reference_draws() -> None:

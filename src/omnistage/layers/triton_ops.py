@@ -5,7 +5,8 @@ of torch computes in fp32 and rounds its result), so the only difference from th
 order of the RMSNorm sum. The talker's frame step (15 code-predictor passes of 5 layers) is bound by
 kernel launches, not bytes: with these kernels it went from 21.1 to 11.7 ms at batch 1 (BENCHMARKS.md).
 - RMSNorm kernels (+ RoPE for the q/k norms): `layers.triton_norm`.
-- `snake_beta(x, alpha, beta)`: code2wav's SnakeBeta, one pass instead of five over the largest tensors.
+- `snake_beta(x, alpha, beta, bias, out)`: code2wav's SnakeBeta, one pass instead of five over the largest tensors,
+  with the preceding conv's bias add folded in, reading and writing strided views (`code2wav_fused`).
 - `race_argmax(scores, seeds, steps)`: a sampled draw (`layers.sampling`: hash noise, exponential race,
   argmax) in one kernel per row instead of the integer kernels over [B, vocab] (the talker's step: 4 762 ->
   3 498 kernels at batch 16 with it); exact (integer hash, the same libdevice logf as torch).
@@ -39,20 +40,22 @@ def fast_path(x: torch.Tensor) -> bool:
 
 if triton is not None:
     @triton.jit
-    def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, out_ptr, length, channels, BLOCK: tl.constexpr):
+    def _snake_beta_kernel(x_ptr, alpha_ptr, beta_ptr, bias_ptr, out_ptr, length, channels, sxb, sxc, sxt, sob, soc,
+                           sot, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)  # (batch, channel)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < length
         dt = out_ptr.dtype.element_ty
-        ch = row % channels
+        b, ch = (row // channels).to(tl.int64), row % channels
         alpha = libdevice.exp(tl.load(alpha_ptr + ch).to(tl.float32)).to(dt).to(tl.float32)
         beta = libdevice.exp(tl.load(beta_ptr + ch).to(tl.float32)).to(dt).to(tl.float32)
         inv = (1.0 / (beta + 1e-9).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        base = row.to(tl.int64) * length
-        x = tl.load(x_ptr + base + cols, mask=m, other=0.0).to(tl.float32)
+        x = tl.load(x_ptr + b * sxb + ch.to(tl.int64) * sxc + cols * sxt, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            x = (x + tl.load(bias_ptr + ch).to(tl.float32)).to(dt).to(tl.float32)
         s = libdevice.sin((x * alpha).to(dt).to(tl.float32)).to(dt).to(tl.float32)
         y = (inv * (s * s).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-        tl.store(out_ptr + base + cols, (x + y).to(dt), mask=m)
+        tl.store(out_ptr + b * sob + ch.to(tl.int64) * soc + cols * sot, (x + y).to(dt), mask=m)
 
     @triton.jit
     def _fmix32(x):
@@ -88,13 +91,17 @@ if triton is not None:
         tl.store(out_ptr + row, best_i.to(tl.int64))
 
 
-def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
-    """x + sin(x * e^alpha)^2 / (e^beta + 1e-9) per channel of `x [B, C, T]`, in one pass."""
-    x = x.contiguous()
+def snake_beta(x: torch.Tensor, alpha: torch.Tensor, beta: torch.Tensor, bias: torch.Tensor | None = None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """SnakeBeta of `x [B, C, T] (+ bias [C])`: x + sin(x * e^alpha)^2 / (e^beta + 1e-9) per channel, in one pass.
+    `x` and `out` may be strided views (a trimmed conv output, the tail of a conv's input buffer); `out` defaults to a
+    new contiguous tensor. With `bias`, `x + bias` is rounded first, as a conv's bias add rounds."""
     b, c, t = x.shape
-    out = torch.empty_like(x)
+    out = x.new_empty(b, c, t) if out is None else out
     block = 1024
-    _snake_beta_kernel[(b * c, triton.cdiv(t, block))](x, alpha, beta, out, t, c, BLOCK=block)
+    _snake_beta_kernel[(b * c, triton.cdiv(t, block))](x, alpha, beta, x if bias is None else bias, out, t, c,
+                                                       *x.stride(), *out.stride(), HAS_BIAS=bias is not None,
+                                                       BLOCK=block)
     return out
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.norm import RMSNorm
 from omnistage.layers.rotary import RotaryEmbedding, apply_rotary_emb
+from omnistage.models.qwen3_omni import code2wav_fused
 from omnistage.models.qwen3_omni.code2wav_conv import CausalConv1d, CausalTransConv1d, ConvNeXtBlock, \
     DecoderBlock, SnakeBeta
 
@@ -134,4 +135,5 @@ class Code2Wav(nn.Module):
         x = first(x, ctx)
         for block in blocks:
             x = block(x, ctx)
-        return last(act(x), ctx).clamp(-1, 1)
+        x = code2wav_fused.output(act, last, x, ctx) if code2wav_fused.enabled(x, act) else last(act(x), ctx)
+        return x.clamp(-1, 1)

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import triton_ops
+from omnistage.models.qwen3_omni import code2wav_fused
 
 if TYPE_CHECKING:
     from omnistage.models.qwen3_omni.code2wav_stream import StreamContext
@@ -34,6 +34,10 @@ class CausalConv1d(nn.Module):
         if self.context:
             x = F.pad(x, (self.context, 0)) if ctx is None else ctx.extend(self, x)
         return self.conv(x)
+
+    def left_context(self, ctx: StreamContext | None) -> int:
+        """Inputs prepended to a chunk's: the saved ones in a stream, zeros one-shot."""
+        return self.context
 
 
 class CausalTransConv1d(nn.Module):
@@ -55,17 +59,24 @@ class CausalTransConv1d(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: StreamContext | None = None) -> torch.Tensor:
         n = x.shape[-1]
-        if ctx is not None and self.state_shape:
+        if self.left_context(ctx):
             x = ctx.extend(self, x)
-        used = x.shape[-1] - n
+        return self.final_samples(self.conv(x), x.shape[-1] - n, n, ctx)
+
+    def left_context(self, ctx: StreamContext | None) -> int:
+        """Inputs prepended to a chunk's: the saved ones in a stream, none one-shot."""
+        return self.state_shape[-1] if ctx is not None and self.state_shape else 0
+
+    def final_samples(self, y: torch.Tensor, used: int, n: int, ctx: StreamContext | None) -> torch.Tensor:
+        """The final samples of the untrimmed output `y` over `used` saved and `n` new inputs."""
         first = ctx is None or ctx.first
         start = used * self.stride + (self.trim if first else 0)
-        return self.conv(x)[..., start:(used + n) * self.stride]
+        return y[..., start:(used + n) * self.stride]
 
 
 class SnakeBeta(nn.Module):
-    """x + sin(x * e^alpha)^2 / (e^beta + 1e-9), per channel; input [B, C, T]. On CUDA one fused kernel
-    (`layers.triton_ops.snake_beta`), plain torch ops elsewhere."""
+    """x + sin(x * e^alpha)^2 / (e^beta + 1e-9), per channel; input [B, C, T]. On CUDA the decoder runs it fused
+    into its neighbours (`code2wav_fused`)."""
 
     def __init__(self, channels: int):
         super().__init__()
@@ -73,8 +84,6 @@ class SnakeBeta(nn.Module):
         self.beta = nn.Parameter(torch.zeros(channels))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if triton_ops.fast_path(x) and self.alpha.dtype == x.dtype:
-            return triton_ops.snake_beta(x, self.alpha, self.beta)
         alpha = self.alpha.exp()[:, None]
         beta = self.beta.exp()[:, None]
         return x + (1.0 / (beta + 1e-9)) * torch.sin(x * alpha).pow(2)
@@ -121,6 +130,8 @@ class DecoderBlock(nn.Module):
         self.block = nn.ModuleList([SnakeBeta(in_dim), upsample, *units])
 
     def forward(self, x: torch.Tensor, ctx: StreamContext | None = None) -> torch.Tensor:
+        if code2wav_fused.enabled(x, self):
+            return code2wav_fused.decoder_block(self, x, ctx)
         act, upsample, *units = self.block
         x = upsample(act(x), ctx)
         for unit in units:

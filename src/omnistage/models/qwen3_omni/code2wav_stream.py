@@ -64,11 +64,19 @@ class StreamContext:
 
     def extend(self, layer: nn.Module, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
         """`x` with the layer's saved context prepended along `dim`; the tail of the result is saved."""
+        x = torch.cat((self.past(layer), x), dim=dim)
+        self.save(layer, x, dim)
+        return x
+
+    def past(self, layer: nn.Module) -> torch.Tensor:
+        """The layer's saved context of these rows."""
+        return self.cache.states[layer].index_select(0, self.slots)
+
+    def save(self, layer: nn.Module, x: torch.Tensor, dim: int = -1) -> None:
+        """Save the tail of `x` along `dim` (as long as the layer's context) as these rows' context."""
         buf = self.cache.states[layer]
         keep = buf.shape[dim]
-        x = torch.cat((buf.index_select(0, self.slots), x), dim=dim)
         buf.index_copy_(0, self.slots, x.narrow(dim, x.shape[dim] - keep, keep))
-        return x
 
     def advance(self, frames: int) -> None:
         self.cache.pos.index_copy_(0, self.slots, self.pos + frames)
