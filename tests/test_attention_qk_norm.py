@@ -116,12 +116,10 @@ def _layer(head_dim: int) -> DecoderAttention:
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("head_dim,enabled", [(16, True), (24, True), (16, False)])
-def test_decoder_attention_path_choice(head_dim: int, enabled: bool, monkeypatch) -> None:
+@pytest.mark.parametrize("head_dim,fused", [(16, True), (24, False)])
+def test_decoder_attention_path_choice(head_dim: int, fused: bool, monkeypatch) -> None:
     """Decode steps on the fast path: the attention kernel norms q/k itself (no norm launch) where the head_dim
-    allows (a power of two) unless switched off, else rms_norm_qk first; prefill and the reference path as before."""
-    monkeypatch.setattr(triton_attention, "QK_NORM_ENABLED", enabled)
-    fused = enabled and head_dim == 16
+    allows (a power of two), else rms_norm_qk first; prefill and the reference path are as before."""
     layer = _layer(head_dim)
     x = torch.randn(2, 48, generator=torch.Generator().manual_seed(0)).to(DEV, DTYPE)
     cos, sin = RotaryEmbedding(head_dim, 1e4)(torch.tensor([5, 2], device=DEV), DTYPE)

@@ -10,8 +10,7 @@ are read through a block table, so the cost follows each row's real context leng
   `slot_mapping[row]`, `context_lens[row]` tokens incl. the new one; a row of length 0 writes nothing.
 - `static_attention_with_kvcache`: the code predictor's per-row cache `[rows, G, KV, D]` (a paged cache of one
   block of G positions per row), n new positions from `pos`, `pos` cached ones before them.
-With `qk_norm` (`norm.QKNorm`) q/k come raw and are RMSNormed + rotated in registers as `rms_norm_qk` does
-(`OMNISTAGE_ATTN_QK_NORM=0` turns that off: `rms_norm_qk` first, for A/B checks).
+With `qk_norm` (`norm.QKNorm`) q/k come raw and are RMSNormed + rotated in registers as `rms_norm_qk` does.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from omnistage.layers import triton_norm, triton_ops
 from omnistage.layers.norm import QKNorm
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-QK_NORM_ENABLED = os.environ.get("OMNISTAGE_ATTN_QK_NORM", "1") != "0"
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_norm import norm_rope_row
@@ -118,8 +116,7 @@ def qk_norm_supported(q: torch.Tensor, qk_norm: QKNorm) -> bool:
     """Whether the kernels take raw q/k with `qk_norm`: a power-of-two head_dim >= 16 and norm weights in q's
     dtype (as `norm.rms_norm_qk` needs for its kernel)."""
     d = q.shape[-1]
-    return (QK_NORM_ENABLED and d >= 16 and d & (d - 1) == 0
-            and qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype)
+    return d >= 16 and d & (d - 1) == 0 and qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype
 
 
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
