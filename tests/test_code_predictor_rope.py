@@ -1,7 +1,6 @@
 """The code predictor's RoPE tables: positions 0..G-1 computed once (`allocate_cache`, model dtype), every pass
 reading views of them (no RoPE kernels per pass) that hold exactly what `RotaryEmbedding` gives for the pass's
-positions; on the fast path (Triton's interpreter on the CPU, conftest) the q/k norm kernel (or, with q/k/v
-merged, the attention kernel norming raw q/k) reads them in place."""
+positions; on the fast path (Triton's interpreter on the CPU, conftest) the fused q/k norm reads them in place."""
 
 from __future__ import annotations
 
@@ -9,7 +8,7 @@ import pytest
 import torch
 from conftest import KERNEL_DEVICE as DEV
 
-from omnistage.layers import triton_attention, triton_norm, triton_ops
+from omnistage.layers import triton_norm, triton_ops
 from omnistage.models.qwen3_omni.code_predictor import CodePredictor
 from omnistage.models.qwen3_omni.decoder import fuse_projections
 from omnistage.models.qwen3_omni.presets import preset_config
@@ -51,29 +50,23 @@ def test_passes_run_no_rope_and_the_kernel_reads_the_tables(preset: str, fused: 
         raise AssertionError("RotaryEmbedding ran in a pass")
 
     monkeypatch.setattr(cp.model.rotary_emb, "forward", no_rope)
-    launched = []
+    launched, kernel = [], triton_norm._rms_norm_rope_kernel
 
-    def spy(module, name: str, flag: str, cos: int, stride: int) -> None:
-        kernel = getattr(module, name)
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                if kwargs["ROPE"]:
+                    launched.append((args[3].data_ptr(), args[12]))  # cos, its row stride
+                return kernel[grid](*args, **kwargs)
+            return launch
 
-        class Spy:
-            def __getitem__(self, grid):
-                def launch(*args, **kwargs):
-                    if kwargs[flag]:
-                        launched.append((args[cos].data_ptr(), args[stride]))  # cos, its row stride
-                    return kernel[grid](*args, **kwargs)
-                return launch
-
-        monkeypatch.setattr(module, name, Spy())
-
-    spy(triton_norm, "_rms_norm_rope_kernel", "ROPE", 3, 12)
-    spy(triton_attention, "_attention_with_kvcache_kernel", "QK_NORM", 11, 13)
+    monkeypatch.setattr(triton_norm, "_rms_norm_rope_kernel", Spy())
     monkeypatch.setattr(triton_ops, "fast_path", lambda t: True)
     got = cp._pass(x[:2 * rows], 0, rows), cp._pass(x[2 * rows:], 5, rows)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=2e-6, atol=2e-6)
     layers = len(cp.model.layers)
-    norms_per_pass = layers * (1 if fused else 2)  # q/k/v merged: q and k normed by the attention kernel
+    norms_per_pass = layers * (1 if fused else 2)  # q and k normed in one launch once q/k/v are merged
     half = cp.model.config.head_dim // 2
     prefill, decode = (cp._prefill_rope[0].data_ptr(), half), (cp._rope[0][5].data_ptr(), 0)
     assert launched == [prefill] * norms_per_pass + [decode] * norms_per_pass
