@@ -26,7 +26,6 @@ from torch import nn
 
 from omnistage.layers import triton_attention, triton_ops
 from omnistage.layers.context import ForwardContext, get_context
-from omnistage.layers.norm import QKNorm
 
 VarlenFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, float],
                     torch.Tensor]
@@ -145,25 +144,10 @@ class Attention(nn.Module):
             raise RuntimeError("no KV cache attached: call allocate_kv_cache(model, ...) first")
         ctx = get_context()
         if not ctx.is_prefill and triton_ops.fast_path(q):
-            return self._decode(q, k, v, ctx)
+            return triton_attention.decode_attention_with_kvcache(
+                q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, self.scale)
         store_kvcache(k, v, self.k_cache, self.v_cache, ctx.slot_mapping)
         return paged_attention(q, self.k_cache, self.v_cache, ctx, self.scale)
-
-    def forward_raw_qk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qk_norm: QKNorm
-                       ) -> torch.Tensor | None:
-        """`forward` for raw q/k heads that the decode kernel norms + rotates itself (`qk_norm`); None where that
-        path is not taken (prefill, off the fast path): then norm q/k and call `forward`."""
-        ctx = get_context()
-        if (ctx.is_prefill or self.k_cache.numel() == 0 or not triton_ops.fast_path(q)
-                or not triton_attention.qk_norm_supported(q, qk_norm)):
-            return None
-        return self._decode(q, k, v, ctx, qk_norm)
-
-    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext,
-                qk_norm: QKNorm | None = None) -> torch.Tensor:
-        return triton_attention.decode_attention_with_kvcache(
-            q, k, v, self.k_cache, self.v_cache, ctx.slot_mapping, ctx.block_tables, ctx.context_lens, self.scale,
-            qk_norm)
 
 
 def allocate_kv_cache(model: nn.Module, num_blocks: int, block_size: int, dtype: torch.dtype,

@@ -19,7 +19,6 @@ from torch import nn
 
 from omnistage.layers import triton_attention, triton_ops
 from omnistage.layers.linear import linear
-from omnistage.layers.norm import QKNorm
 from omnistage.layers.sampling import SamplingTensors, sample
 from omnistage.models.qwen3_omni.decoder import DecoderConfig, DecoderModel
 
@@ -57,14 +56,6 @@ class StaticKVAttention(nn.Module):
                                              values, attn_mask=causal, is_causal=p == 0 and n > 1,
                                              scale=self.scale, enable_gqa=True)
         return out.transpose(1, 2).reshape(b * n, self.num_heads, self.head_dim)
-
-    def forward_raw_qk(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                       qk_norm: QKNorm) -> torch.Tensor | None:
-        """`forward` for raw q/k heads that the kernel norms + rotates itself (`qk_norm`); None off the fast path."""
-        if not (triton_ops.fast_path(q) and triton_attention.qk_norm_supported(q, qk_norm)):
-            return None
-        return triton_attention.static_attention_with_kvcache(q, k, v, self.k_cache, self.v_cache, self.step.pos,
-                                                             self.step.rows, self.scale, qk_norm)
 
 
 class CodePredictorModel(DecoderModel):

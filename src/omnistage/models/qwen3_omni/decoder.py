@@ -22,7 +22,7 @@ from omnistage.layers.attention import Attention
 from omnistage.layers.linear import linear, merge_linears
 from omnistage.layers.mlp import SwiGLUMLP
 from omnistage.layers.moe import SparseMoeBlock
-from omnistage.layers.norm import QKNorm, RMSNorm, add_rms_norm, rms_norm_qk
+from omnistage.layers.norm import RMSNorm, add_rms_norm, rms_norm_qk
 from omnistage.layers.rotary import RotaryEmbedding
 
 
@@ -104,8 +104,8 @@ class DecoderAttention(nn.Module):
         self.qkv_weight, self.qkv_bias = merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        out = self.attn(*self._qkv(x, cos, sin)) if self.qkv_weight is None else self._attn_fused(x, cos, sin)
-        return linear(out.flatten(1), self.o_proj.weight, self.o_proj.bias)
+        q, k, v = self._qkv(x, cos, sin) if self.qkv_weight is None else self._qkv_fused(x, cos, sin)
+        return linear(self.attn(q, k, v).flatten(1), self.o_proj.weight, self.o_proj.bias)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
@@ -113,17 +113,13 @@ class DecoderAttention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(t, -1, self.head_dim), cos, sin)
         return q, k, self.v_proj(x).view(t, -1, self.head_dim)
 
-    def _attn_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """One GEMM; q/k/v strided views of its output (no copies). The attention norms + rotates the raw q/k
-        heads itself where it can (`forward_raw_qk`), else one `rms_norm_qk` does first."""
+    def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """One GEMM; q/k normed straight from its output, v a strided view of it (no copies)."""
         qkv = linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], -1, self.head_dim)
-        nh, nqk = self.num_heads, self.num_heads + self.num_kv_heads
-        qk_norm = QKNorm(self.q_norm.weight, self.k_norm.weight, self.q_norm.eps, cos, sin)
-        out = self.attn.forward_raw_qk(qkv[:, :nh], qkv[:, nh:nqk], qkv[:, nqk:], qk_norm)
-        if out is not None:
-            return out
-        q, k = rms_norm_qk(qkv[:, :nqk], qk_norm.q_weight, qk_norm.k_weight, nh, qk_norm.eps, cos, sin)
-        return self.attn(q, k, qkv[:, nqk:])
+        nqk = self.num_heads + self.num_kv_heads
+        q, k = rms_norm_qk(qkv[:, :nqk], self.q_norm.weight, self.k_norm.weight, self.num_heads,
+                           self.q_norm.eps, cos, sin)
+        return q, k, qkv[:, nqk:]
 
 
 class DecoderLayer(nn.Module):
