@@ -52,33 +52,20 @@ def experts(h: int, i: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(128, 2 * i, h, dtype=BF16), torch.empty(128, h, i, dtype=BF16)
 
 
-def qk_norm(attn, tokens: int, n: int = 0) -> object:
-    """q/k norms + RoPE of `tokens` rows for the attention kernel: strided rows of one table, or (n > 0) position
-    n's row expanded over all tokens (stride 0), as the code predictor's passes read them."""
-    w, table = torch.ones(128, dtype=BF16), torch.randn(2 * tokens, 64, dtype=BF16)
-    if n:
-        return attn.QKNorm(w, w, 1e-6, table[n].expand(tokens, -1), table[n + 1].expand(tokens, -1))
-    return attn.QKNorm(w, w, 1e-6, table[:tokens], table[tokens:])
-
-
-def decode_attention(attn, heads: int, kv: int, rows: int = 16, width: int = 64, raw: bool = False) -> object:
-    """One decode step's fused KV write + paged attention, q/k/v as views of one qkv GEMM output as in the model
-    (`raw`: q/k normed + rotated by the kernel)."""
+def decode_attention(attn, heads: int, kv: int, rows: int = 16, width: int = 64) -> object:
+    """One decode step's fused KV write + paged attention, q/k/v as views of one qkv GEMM output as in the model."""
     q, k, v = torch.empty(rows, heads + 2 * kv, 128, dtype=BF16).split([heads, kv, kv], 1)
     cache = torch.empty(2, 1024, 16, kv, 128, dtype=BF16)
     tables = torch.zeros(rows, width, dtype=torch.int32)
     lens = torch.ones(rows, dtype=torch.int32)
-    return attn.decode_attention_with_kvcache(q, k, v, cache[0], cache[1], lens.long(), tables, lens, 0.088,
-                                              qk_norm(attn, rows) if raw else None)
+    return attn.decode_attention_with_kvcache(q, k, v, cache[0], cache[1], lens.long(), tables, lens, 0.088)
 
 
-def static_attention(attn, pos: int, n: int, rows: int = 16, raw: bool = False) -> object:
-    """The code predictor's pass at `pos` of `n` positions (16 q, 8 kv heads; `raw`: q/k normed + rotated by the
-    kernel, a later pass reading stride-0 RoPE rows)."""
+def static_attention(attn, pos: int, n: int, rows: int = 16) -> object:
+    """The code predictor's pass at `pos` of `n` positions (16 q, 8 kv heads)."""
     q, k, v = torch.empty(rows * n, 32, 128, dtype=BF16).split([16, 8, 8], 1)
     cache = torch.empty(2, rows, 16, 8, 128, dtype=BF16)
-    norm = qk_norm(attn, rows * n, pos if n == 1 else 0) if raw else None
-    return attn.static_attention_with_kvcache(q, k, v, cache[0], cache[1], pos, rows, 0.088, norm)
+    return attn.static_attention_with_kvcache(q, k, v, cache[0], cache[1], pos, rows, 0.088)
 
 
 def skinny(lin, rows: int, n: int, k: int, gated: bool = False, split_k: int = 1) -> object:
@@ -130,10 +117,6 @@ def examples(m: dict) -> list[tuple[str, Callable[[], object]]]:
         ("decode attention talker", lambda: decode_attention(m["attention"], 16, 2)),
         ("static attention, first pass", lambda: static_attention(m["attention"], 0, 2)),
         ("static attention, pass 5", lambda: static_attention(m["attention"], 5, 1)),
-        ("decode attention + q/k norm thinker", lambda: decode_attention(m["attention"], 32, 4, raw=True)),
-        ("decode attention + q/k norm talker", lambda: decode_attention(m["attention"], 16, 2, raw=True)),
-        ("static attention + q/k norm, first pass", lambda: static_attention(m["attention"], 0, 2, raw=True)),
-        ("static attention + q/k norm, pass 5", lambda: static_attention(m["attention"], 5, 1, raw=True)),
         ("skinny linear, code predictor qkv", lambda: skinny(m["linear"], 1, 4096, 1024)),
         ("skinny linear, thinker o_proj 64 rows", lambda: skinny(m["linear"], 64, 2048, 4096)),
         ("skinny linear_silu_mul, code predictor", lambda: skinny(m["linear"], 16, 6144, 1024, gated=True)),

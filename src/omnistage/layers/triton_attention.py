@@ -10,7 +10,6 @@ are read through a block table, so the cost follows each row's real context leng
   `slot_mapping[row]`, `context_lens[row]` tokens incl. the new one; a row of length 0 writes nothing.
 - `static_attention_with_kvcache`: the code predictor's per-row cache `[rows, G, KV, D]` (a paged cache of one
   block of G positions per row), n new positions from `pos`, `pos` cached ones before them.
-With `qk_norm` (`norm.QKNorm`) q/k come raw and are RMSNormed + rotated in registers as `rms_norm_qk` does.
 """
 
 from __future__ import annotations
@@ -19,13 +18,11 @@ import os
 
 import torch
 
-from omnistage.layers import triton_norm, triton_ops
-from omnistage.layers.norm import QKNorm
+from omnistage.layers import triton_ops
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton_ops.triton is not None:
-    from omnistage.layers.triton_norm import norm_rope_row
     from omnistage.layers.triton_ops import tl, triton
 
     @triton.jit
@@ -39,10 +36,9 @@ if triton_ops.triton is not None:
     @triton.jit(do_not_specialize=["static_past"])
     def _attention_with_kvcache_kernel(
             q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, tables_ptr, lens_ptr,
-            qw_ptr, kw_ptr, cos_ptr, sin_ptr, cs_stride, eps, q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, table_stride,
-            static_past, qk_scale, KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr,
-            BLOCK_SIZE: tl.constexpr, N_NEW: tl.constexpr, PAGED: tl.constexpr, QK_NORM: tl.constexpr,
-            PRECISION: tl.constexpr, INTERPRET_BOUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, table_stride, static_past, qk_scale,
+            KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_NEW: tl.constexpr,
+            PAGED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BOUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr):
         row, kvh = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
@@ -60,16 +56,8 @@ if triton_ops.triton is not None:
             slot = row.to(tl.int64) * BLOCK_SIZE + static_past
         # NOTE: a block mask (not a scalar bool) for Triton 3.9's interpreter; a length-0 row's slot may be garbage
         live = dm & ((d * 0 + past) >= 0)
-        if QK_NORM:  # raw q: each head normed + rotated (1-D, as in the norm kernel), placed at its row m
-            q = tl.zeros([BLOCK_M, BLOCK_D], q_ptr.dtype.element_ty)
-            for i in tl.static_range(N_NEW * GROUP):
-                tok = (row * N_NEW + i // GROUP).to(tl.int64)
-                qi = norm_rope_row(q_ptr + tok * q_s0 + (kvh * GROUP + i % GROUP) * q_s1, qw_ptr, cos_ptr, sin_ptr,
-                                   tok * cs_stride, eps, D // 2)
-                q = tl.where((rows_m == i)[:, None], qi[None, :], q)
-        else:
-            q = tl.load(q_ptr + tok_m[:, None].to(tl.int64) * q_s0 + heads_m[:, None] * q_s1 + d[None, :],
-                        mask=mm[:, None] & dm[None, :], other=0.0)
+        q = tl.load(q_ptr + tok_m[:, None].to(tl.int64) * q_s0 + heads_m[:, None] * q_s1 + d[None, :],
+                    mask=mm[:, None] & dm[None, :], other=0.0)
         m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -77,11 +65,7 @@ if triton_ops.triton is not None:
             # NOTE: the new tokens come from registers, never read back from the cache: no ordering between the
             # store and loads of other threads is needed, and padding rows sharing one scratch slot stay finite.
             tok = (row * N_NEW + j).to(tl.int64)
-            if QK_NORM:
-                kj = norm_rope_row(k_ptr + tok * k_s0 + kvh * k_s1, kw_ptr, cos_ptr, sin_ptr, tok * cs_stride, eps,
-                                   D // 2)
-            else:
-                kj = tl.load(k_ptr + tok * k_s0 + kvh * k_s1 + d, mask=dm, other=0.0)
+            kj = tl.load(k_ptr + tok * k_s0 + kvh * k_s1 + d, mask=dm, other=0.0)
             vj = tl.load(v_ptr + tok * v_s0 + kvh * v_s1 + d, mask=dm, other=0.0)
             dst = (slot + j) * (KV * D) + kvh * D + d
             tl.store(k_cache_ptr + dst, kj, mask=live)
@@ -112,17 +96,9 @@ if triton_ops.triton is not None:
         tl.store(out_ptr + dst, out.to(out_ptr.dtype.element_ty), mask=mm[:, None] & dm[None, :])
 
 
-def qk_norm_supported(q: torch.Tensor, qk_norm: QKNorm) -> bool:
-    """Whether the kernels take raw q/k with `qk_norm`: a power-of-two head_dim >= 16 and norm weights in q's
-    dtype (as `norm.rms_norm_qk` needs for its kernel)."""
-    d = q.shape[-1]
-    return d >= 16 and d & (d - 1) == 0 and qk_norm.q_weight.dtype == qk_norm.k_weight.dtype == q.dtype
-
-
 def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
             scale: float, rows: int, n_new: int, past: int, slots: torch.Tensor | None = None,
-            tables: torch.Tensor | None = None, lens: torch.Tensor | None = None,
-            qk_norm: QKNorm | None = None) -> torch.Tensor:
+            tables: torch.Tensor | None = None, lens: torch.Tensor | None = None) -> torch.Tensor:
     heads, d = q.shape[1], q.shape[2]
     kv = k.shape[1]
     if any(t.stride(2) != 1 for t in (q, k, v)) or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -130,10 +106,9 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
     group = heads // kv
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     _attention_with_kvcache_kernel[(rows, kv)](
-        q, k, v, k_cache, v_cache, out, slots, tables, lens, *triton_norm.norm_rope_row_args(qk_norm, q),
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        0 if tables is None else tables.stride(0), past, scale * 1.4426950408889634, KV=kv, GROUP=group, D=d, BLOCK_SIZE=k_cache.shape[1], N_NEW=n_new, PAGED=tables is not None,
-        QK_NORM=qk_norm is not None,
+        q, k, v, k_cache, v_cache, out, slots, tables, lens, q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), 0 if tables is None else tables.stride(0), past, scale * 1.4426950408889634,
+        KV=kv, GROUP=group, D=d, BLOCK_SIZE=k_cache.shape[1], N_NEW=n_new, PAGED=tables is not None,
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET_BOUND=k_cache.shape[1] * (1 if tables is None else tables.shape[1]) if _INTERPRETED else 0,
         BLOCK_M=max(16, triton.next_power_of_2(n_new * group)), BLOCK_N=16 if tables is None else 64,
@@ -143,18 +118,15 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
 
 def decode_attention_with_kvcache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                                   v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
-                                  context_lens: torch.Tensor, scale: float, qk_norm: QKNorm | None = None
-                                  ) -> torch.Tensor:
+                                  context_lens: torch.Tensor, scale: float) -> torch.Tensor:
     """`store_kvcache` + `paged_decode_attention` in one launch: q `[B, H, D]`, k/v `[B, KV, D]` (one new token
-    per row; raw q/k with `qk_norm`), caches `[num_blocks, block_size, KV, D]`; returns `[B, H, D]`. No host sync."""
-    return _launch(q, k, v, k_cache, v_cache, scale, q.shape[0], 1, 0, slot_mapping, block_tables, context_lens,
-                   qk_norm)
+    per row), caches `[num_blocks, block_size, KV, D]`; returns `[B, H, D]`. No host sync."""
+    return _launch(q, k, v, k_cache, v_cache, scale, q.shape[0], 1, 0, slot_mapping, block_tables, context_lens)
 
 
 def static_attention_with_kvcache(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                                  v_cache: torch.Tensor, pos: int, rows: int, scale: float,
-                                  qk_norm: QKNorm | None = None) -> torch.Tensor:
+                                  v_cache: torch.Tensor, pos: int, rows: int, scale: float) -> torch.Tensor:
     """Rows `0..rows-1` of the static caches `[max_rows, G, KV, D]` get q/k/v `[rows * n, ., D]` (row-major:
-    row r's positions pos..pos+n-1; raw q/k with `qk_norm`) written at pos..pos+n-1; each query attends
-    causally to its row's positions 0..its own. Returns `[rows * n, H, D]`."""
-    return _launch(q, k, v, k_cache, v_cache, scale, rows, q.shape[0] // rows, pos, qk_norm=qk_norm)
+    row r's positions pos..pos+n-1) written at pos..pos+n-1; each query attends causally to its row's
+    positions 0..its own. Returns `[rows * n, H, D]`."""
+    return _launch(q, k, v, k_cache, v_cache, scale, rows, q.shape[0] // rows, pos)
