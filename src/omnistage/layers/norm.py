@@ -4,8 +4,6 @@ rotate-half RoPE (the q/k norms of an attention) or with the residual add before
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import nn
 
@@ -27,17 +25,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, cos: torch.Tenso
         return triton_norm.rms_norm(x, weight, eps, cos, sin)
     y = rms_norm_reference(x, weight, eps)
     return y if cos is None else apply_rotary_emb(y, cos, sin)
-
-
-class QKNorm(NamedTuple):
-    """An attention's q/k norms and its tokens' RoPE rows `cos/sin [T, D/2]` (rows may be strided, stride 0 too):
-    what `rms_norm_qk` applies; the decode attention kernels take it to norm + rotate raw q/k themselves."""
-
-    q_weight: torch.Tensor
-    k_weight: torch.Tensor
-    eps: float
-    cos: torch.Tensor
-    sin: torch.Tensor
 
 
 def rms_norm_qk(qk: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, num_q_heads: int,

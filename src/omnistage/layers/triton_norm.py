@@ -12,14 +12,9 @@ difference from it is the order of the sum of squares.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from omnistage.layers import triton_ops
-
-if TYPE_CHECKING:
-    from omnistage.layers.norm import QKNorm
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
@@ -28,35 +23,6 @@ if triton_ops.triton is not None:
     def _normed(v, r, w, dt):
         """`w * (v * r).to(dt)` rounded as eager rounds it (each op rounds to dt), back in fp32."""
         return (w * (v * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-
-    @triton.jit
-    def _rms_norm_halves(lo, hi, w_lo, w_hi, n, eps, dt):
-        """RMSNorm of a row of `n` held as fp32 halves `lo`, `hi` (padding 0) with weight halves w_lo, w_hi."""
-        r = libdevice.rsqrt((tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / n + eps)
-        return _normed(lo, r, w_lo, dt), _normed(hi, r, w_hi, dt)
-
-    @triton.jit
-    def _rope_halves(y_lo, y_hi, c, s, dt):
-        """Rotate-half RoPE of a row's halves by its cos/sin `c`, `s`, each product rounded to dt as eager.
-        NOTE: on the GPU LLVM contracts `a`'s and `d`'s product into the add rounded to dt after it (one fma in dt)."""
-        a, b = (y_lo * c).to(dt).to(tl.float32), (y_hi * s).to(dt).to(tl.float32)
-        d, e = (y_hi * c).to(dt).to(tl.float32), (y_lo * s).to(dt).to(tl.float32)
-        return a - b, d + e
-
-    @triton.jit
-    def norm_rope_row(x_ptr, w_ptr, cos_ptr, sin_ptr, cs_off, eps, HALF: tl.constexpr):
-        """The row of 2 * HALF (a power of two) at `x_ptr` normed with the weight at `w_ptr`, then RoPE by the
-        tables' rows at `cs_off`, as `_rms_norm_rope_kernel` computes it -> `[2 * HALF]` in x's dtype."""
-        cols = tl.arange(0, HALF)
-        dt = x_ptr.dtype.element_ty
-        lo, hi = tl.load(x_ptr + cols).to(tl.float32), tl.load(x_ptr + HALF + cols).to(tl.float32)
-        w_lo, w_hi = tl.load(w_ptr + cols).to(tl.float32), tl.load(w_ptr + HALF + cols).to(tl.float32)
-        y_lo, y_hi = _rms_norm_halves(lo, hi, w_lo, w_hi, 2 * HALF, eps, dt)
-        c, s = tl.load(cos_ptr + cs_off + cols).to(tl.float32), tl.load(sin_ptr + cs_off + cols).to(tl.float32)
-        y_lo, y_hi = _rope_halves(y_lo, y_hi, c, s, dt)
-        # NOTE: rounded before the join, as the norm kernel rounds before its store: LLVM contracts the RoPE's
-        # products into the rounding subtract/add (fma in dt) only when nothing (a layout change) sits between.
-        return tl.reshape(tl.permute(tl.join(y_lo.to(dt), y_hi.to(dt)), (1, 0)), (2 * HALF,))
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, out2_ptr, half, heads, split,
@@ -71,15 +37,19 @@ if triton_ops.triton is not None:
         src = tok.to(tl.int64) * stride_t + head * stride_h
         lo = tl.load(x_ptr + src + cols, mask=m, other=0.0).to(tl.float32)
         hi = tl.load(x_ptr + src + half + cols, mask=m, other=0.0).to(tl.float32)
+        var = (tl.sum(lo * lo, 0) + tl.sum(hi * hi, 0)) / (2 * half)
+        r = libdevice.rsqrt(var + eps)
         w, w2 = w_ptr + cols, w2_ptr + cols
         w_lo = tl.where(first, tl.load(w, mask=m), tl.load(w2, mask=m)).to(tl.float32)
         w_hi = tl.where(first, tl.load(w + half, mask=m), tl.load(w2 + half, mask=m)).to(tl.float32)
-        y_lo, y_hi = _rms_norm_halves(lo, hi, w_lo, w_hi, 2 * half, eps, dt)
+        y_lo, y_hi = _normed(lo, r, w_lo, dt), _normed(hi, r, w_hi, dt)
         if ROPE:
             t = tok.to(tl.int64) * stride_cs
             c = tl.load(cos_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
             s = tl.load(sin_ptr + t + cols, mask=m, other=0.0).to(tl.float32)
-            y_lo, y_hi = _rope_halves(y_lo, y_hi, c, s, dt)
+            a, b = (y_lo * c).to(dt).to(tl.float32), (y_hi * s).to(dt).to(tl.float32)
+            d, e = (y_hi * c).to(dt).to(tl.float32), (y_lo * s).to(dt).to(tl.float32)
+            y_lo, y_hi = a - b, d + e
         # NOTE: both stores are masked by `first`; the clamped head keeps the masked-off address in bounds.
         dst = (tok.to(tl.int64) * split + tl.minimum(head, split - 1)) * 2 * half
         dst2 = (tok.to(tl.int64) * (heads - split) + tl.maximum(head - split, 0)) * 2 * half
@@ -105,22 +75,6 @@ if triton_ops.triton is not None:
         tl.store(out_ptr + row * n + cols, _normed(h, r, w, dt).to(dt), mask=m)
 
 
-def unit_stride_rows(cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """RoPE tables as the kernels read them: unit-stride rows, one row stride for both (copies only otherwise)."""
-    if cos.stride(-1) != 1 or sin.stride() != cos.stride():
-        return cos.contiguous(), sin.contiguous()
-    return cos, sin
-
-
-def norm_rope_row_args(qk_norm: QKNorm | None, x: torch.Tensor) -> tuple:
-    """A kernel's arguments for `norm_rope_row` (q weight, k weight, cos, sin, their row stride, eps) from
-    `qk_norm`; stand-ins (x) where it is None."""
-    if qk_norm is None:
-        return x, x, x, x, 0, 0.0
-    cos, sin = unit_stride_rows(qk_norm.cos, qk_norm.sin)
-    return qk_norm.q_weight, qk_norm.k_weight, cos, sin, cos.stride(0), qk_norm.eps
-
-
 def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, split: int, eps: float,
                cos: torch.Tensor | None, sin: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One launch over the rows of `x [T, heads, D]`: heads < split -> (weight, first output [T, split, D]),
@@ -131,8 +85,8 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, spl
     out = x.new_empty(t, split, d)
     out2 = x.new_empty(t, heads - split, d) if heads > split else out
     rope = cos is not None
-    if rope:
-        cos, sin = unit_stride_rows(cos, sin)
+    if rope and (cos.stride(-1) != 1 or sin.stride() != cos.stride()):
+        cos, sin = cos.contiguous(), sin.contiguous()
     _rms_norm_rope_kernel[(t * heads,)](
         x, weight, weight2, cos if rope else x, sin if rope else x, out, out2, d // 2, heads, split,
         x.stride(0), x.stride(1), cos.stride(0) if rope else 0, eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
