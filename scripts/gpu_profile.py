@@ -27,7 +27,7 @@ from gpu_check import sync, talker_steps, thinker_steps, time_steps
 
 from omnistage.engine.cuda_graph import CUDAGraphs
 from omnistage.entrypoints.omni import Omni
-from omnistage.layers import triton_attention, triton_linear, triton_ops
+from omnistage.layers import triton_linear, triton_ops
 from omnistage.pipeline.talker_runner import FrameBatch
 from omnistage.pipeline.thinker_seq import ThinkerSeq
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
@@ -102,7 +102,7 @@ def step_report(omni: Omni, sizes: list[int]) -> dict:
 
 
 # the fast path's switches, each turned off alone in `kernel_report` (module, flag)
-SWITCHES = {"triton_linear": (triton_linear, "ENABLED"), "attention_qk_norm": (triton_attention, "QK_NORM_ENABLED")}
+SWITCHES = {"triton_linear": (triton_linear, "ENABLED")}
 
 
 def switch_ablation(omni: Omni) -> dict:

@@ -85,6 +85,7 @@ if triton_ops.triton is not None:
             y = tl.load(y_ptr + row * hidden + cols, mask=m, other=0.0).to(tl.float32)
             acc += (y * w).to(dt).to(tl.float32)
         out = acc.to(dt)
+        # NOTE: launched without fp fusion: LLVM would turn the rounded product and sum below into one bf16 fma
         if SHARED:  # + sigmoid(gate) * shared, each op rounded to the dtype as the eager chain rounds it
             g = tl.load(g_ptr + t * g_stride).to(tl.float32)
             gate = libdevice.div_rn(1.0, 1.0 + libdevice.exp(-g)).to(dt).to(tl.float32)
@@ -130,5 +131,6 @@ def moe_unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
     out = torch.empty(t, h, dtype=y.dtype, device=y.device)
     block = min(1024, triton.next_power_of_2(h))
     _unpermute_kernel[(t, triton.cdiv(h, block))](y, weights.contiguous(), pos, gate, gate.stride(0), s.contiguous(),
-                                                   out, h, TOP_K=k, SHARED=shared is not None, BLOCK=block)
+                                                   out, h, TOP_K=k, SHARED=shared is not None, BLOCK=block,
+                                                   enable_fp_fusion=False)
     return out
