@@ -83,7 +83,8 @@ class StageWorker:
         (perf_counter s, one clock for every stage of the process), wall ms, rows and new input rows (`tokens`:
         prompt and decode tokens, talker prompt rows, codec frames)."""
         out = os.environ.get("OMNISTAGE_STEP_TRACE")
-        self._trace = open(os.path.join(out, f"{self.name}.jsonl"), "w") if out else None
+        # NOTE: line-buffered: a killed server keeps every step it traced
+        self._trace = open(os.path.join(out, f"{self.name}.jsonl"), "w", buffering=1) if out else None
         try:
             yield
         finally:
