@@ -132,7 +132,7 @@ class Code2Wav(nn.Module):
         for upsample, convnext in self.upsample:
             x = convnext(upsample(x, ctx), ctx)
         first, *blocks, act, last = self.decoder
-        x = first(x, ctx)
+        x = code2wav_fused.first_conv(first, x, ctx) if code2wav_fused.enabled(x, first) else first(x, ctx)
         for block in blocks:
             x = block(x, ctx)
         x = code2wav_fused.output(act, last, x, ctx) if code2wav_fused.enabled(x, act) else last(act(x), ctx)
