@@ -1,6 +1,6 @@
 """Times the fused sampler (`layers.triton_sampling.fused_sample`) on the H200 at the code predictor's and
 the talker's shapes for several `SEARCH_ARY` values (probes per round of its threshold searches): 50 calls
-captured in one CUDA graph, us per call; prints a table and writes JSON.
+captured in one CUDA graph (`linear_bench.time_us`), us per call; prints a table and writes JSON.
 
 usage: python scripts/sample_bench.py --out FILE
 """
@@ -11,27 +11,10 @@ import argparse
 import json
 
 import torch
+from linear_bench import time_us
 
 from omnistage.layers import triton_sampling
 from omnistage.layers.sampling import SamplingTensors
-
-
-def time_graph(fn, calls: int = 50, reps: int = 5) -> float:
-    """us per call of `fn`, `calls` of it captured in one CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
-    g.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (calls * reps)
 
 
 def main() -> None:
@@ -49,7 +32,7 @@ def main() -> None:
             triton_sampling.SEARCH_ARY = ary
             out = triton_sampling.fused_sample(logits, st, steps)
             ref = out if ref is None else ref
-            us = time_graph(lambda: triton_sampling.fused_sample(logits, st, steps))
+            us = time_us(lambda x: triton_sampling.fused_sample(x, st, steps), [logits], 50, 5)
             res[f"b{b}_v{vocab}_k{top_k}_p{top_p}_ary{ary}"] = {"us": round(us, 2), "same": bool((out == ref).all())}
             print(b, vocab, top_k, top_p, ary, round(us, 2), bool((out == ref).all()))
     with open(a.out, "w") as f:
