@@ -123,7 +123,8 @@ def kernel_report(omni: Omni) -> dict:
     fast-path switch off; code2wav's graph replays per chunk shape, and the kernels of its first and its
     largest later chunk at batch 16."""
     tk, r = omni.engine.talkers[0], omni.engine.code2wavs[0].runner
-    res: dict = {"talker_steps": talker_steps(omni, [1, 16, 64], 200), "thinker_steps": thinker_steps(omni, [1, 64], 200)}
+    res: dict = {"talker_steps": talker_steps(omni, [1, 16, 64], 200),
+                 "thinker_steps": thinker_steps(omni, [1, 64], 200)}
     res["switches"] = switch_ablation(omni)
     graphs, tk.runner.graphs = tk.runner.graphs, None
     res.update({f"talker_profile_b{b}": profile_talker(omni, b, 40) for b in (1, 64)})

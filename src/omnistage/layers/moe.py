@@ -20,9 +20,9 @@ from torch import nn
 from omnistage.layers import triton_fused_moe, triton_moe
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
+from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
-from omnistage.layers.triton_ops import fast_path
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,8 +4,7 @@
   bias of a transposed conv whose trimmed, strided output `x` is), rounded where eager rounds: one pass instead of
   cuDNN's separate in-place bias add plus the add.
 - `conv1d_out1(x, weight, bias)`: the decoder's last conv (C -> 1 channel, kernel K, no padding) as a direct conv
-  with fp32 accumulation, one read of the input; cuDNN runs it as its slow generic implicit GEMM (4.5 ms for
-  16 x 96 x 48 000 samples on an H200).
+  with fp32 accumulation, one read of the input and no cuDNN layout change of its [B, C, T] input.
 """
 
 from __future__ import annotations

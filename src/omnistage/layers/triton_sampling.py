@@ -157,5 +157,6 @@ def fused_sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
         st.temperature, st.top_k, st.top_p, st.min_p, st.repetition_penalty, st.presence_penalty,
         st.frequency_penalty, st.seeds, steps, out, vocab, HAS_SEEN=seen is not None,
         HAS_COUNTS=counts is not None, HAS_SUPPRESS=suppress is not None, SAMPLE=not st.all_greedy,
-        TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY, num_warps=min(16, max(4, block // 512)), enable_fp_fusion=False)
+        TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY, num_warps=min(16, max(4, block // 512)),
+        enable_fp_fusion=False)
     return out

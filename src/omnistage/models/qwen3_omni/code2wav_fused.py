@@ -6,7 +6,7 @@ The same convolutions as the reference path (cuDNN), without the full-tensor pas
 - a SnakeBeta that feeds a causal conv writes into that conv's input buffer after the saved context columns,
   instead of a `torch.cat` of the context and its output;
 - a transposed conv's trimmed output is read in place (strided), not copied;
-- the last conv (C -> 1 channel) is a direct Triton conv instead of cuDNN's slow generic algorithm;
+- the last conv (C -> 1 channel) is a direct Triton conv (`triton_conv.conv1d_out1`);
 - the first (hidden -> decoder_dim over a chunk's few frames) is one GEMM over unfolded windows.
 Every sum is rounded where the reference rounds it, so only the convs' accumulation order differs.
 """

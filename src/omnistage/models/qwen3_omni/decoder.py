@@ -181,8 +181,9 @@ class DecoderModel(nn.Module):
 
 def fuse_projections(module: nn.Module) -> None:
     """The fast path's merged GEMMs: q/k/v of every decoder attention, gate/up of every dense SwiGLU and the
-    router with the shared expert's gate of every MoE block that has one in `module` run as one GEMM each. The per-projection weights become views into the merged ones, so no second
-    copy is held and module and parameter names stay the checkpoint's (loading later still works).
+    router with the shared expert's gate of every MoE block that has one in `module` run as one GEMM each. The
+    per-projection weights become views into the merged ones, so no second copy is held and module and parameter
+    names stay the checkpoint's (loading later still works).
     NOTE: call once the module is on its device and dtype (`layers.linear.merge_linears`)."""
     for m in module.modules():
         if isinstance(m, (DecoderAttention, SwiGLUMLP, SparseMoeBlock)):
