@@ -11,9 +11,10 @@ fault-injected requests (each must fail alone: a 500 or an error event). /metric
 seconds (KV blocks in use, requests held per stage, the server's RSS). Exit 1 on any unexpected outcome,
 on KV blocks or requests still held once idle, or on RSS growth past --max-rss-growth-mb.
 
-The server runs with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), so that freed buffers go back to
-the system and RSS follows live memory: with the default dynamic threshold, 60-s runs with no leak moved RSS by
-7 to 280 MB (freed buffers kept in the heap until a trim that may not come); with it, 21 to 36 MB (warm-up).
+The server runs with glibc's mmap threshold fixed (MALLOC_MMAP_THRESHOLD_), so that freed buffers go
+back to the system and RSS follows live memory: with the default dynamic threshold, 60-s runs with no leak
+moved RSS by 20 to 279 MB (freed buffers kept in the heap until a trim that may not come); with it, 21 to
+36 MB (warm-up).
 """
 
 from __future__ import annotations

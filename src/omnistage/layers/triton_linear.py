@@ -3,9 +3,9 @@
 
 With 1-64 rows a GEMM is bound by streaming its weight. One program computes a [BLOCK_M, BLOCK_N] output tile
 over all of K (fp32 sums, pipelined weight loads); with SPLIT_K > 1 it sums one K slice into an fp32 workspace
-and a second kernel adds the slices in order (deterministic, no atomics). GATED: `silu(x @ Wg^T) * (x @ Wu^T)` of
-the merged `[2I, K]` gate_up weight, the gate and up tiles of the same columns in one program, rounded where eager
-rounds (each GEMM output, then `triton_activation.silu_mul_rounded`). Tiles: `CONFIGS` (from
+and a second kernel adds the slices in order (deterministic, no atomics). GATED: `silu(x @ Wg^T) * (x @ Wu^T)`
+of the merged `[2I, K]` gate_up weight, the gate and up tiles of the same columns in one program, rounded
+where eager rounds (each GEMM output, then `triton_activation.silu_mul_rounded`). Tiles: `CONFIGS` (from
 scripts/linear_bench.py on the H200), else `config`'s heuristic. `OMNISTAGE_TRITON_LINEAR=0` turns it off.
 """
 
@@ -21,7 +21,8 @@ ENABLED = os.environ.get("OMNISTAGE_TRITON_LINEAR", "1") != "0"
 MAX_M = 64
 Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k
 # (weight rows N, K, M bucket, gated) -> Config, or None: F.linear (+ silu_mul) is faster there
-CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {  # H200, scripts/linear_bench.py (session 8 call 2)
+# H200, scripts/linear_bench.py (call `c106fcc`)
+CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {
     (4096, 1024, 16, False): (16, 32, 128, 4, 6, 1),  # cp_qkv 4.5 vs 5.0 us
     (4096, 1024, 32, False): None,  # cp_qkv 5.5 vs 5.2 us
     (4096, 1024, 64, False): (64, 32, 128, 4, 4, 1),  # cp_qkv 5.2 vs 5.3 us
@@ -59,7 +60,8 @@ if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import tl, triton
 
     @triton.jit
-    def _finish(acc, acc_up, bias_ptr, cols, col_m, dt: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr):
+    def _finish(acc, acc_up, bias_ptr, cols, col_m, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
+                GATED: tl.constexpr):
         """fp32 sums -> output values, rounded where eager rounds (bias added before the one rounding)."""
         if GATED:
             out = silu_mul_rounded(acc.to(dt).to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
@@ -74,8 +76,8 @@ if triton_ops.triton is not None:
                             K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
                             SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """out[rows, cols] of x[rows] @ w[cols]^T (GATED: and of w[N + cols]); SPLIT_K > 1: the fp32 sums over K
-        slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols)."""
+        """out[rows, cols] of x[rows] @ w[cols]^T (GATED: and of w[N + cols]); SPLIT_K > 1: the fp32 sums over
+        K slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols)."""
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_m, col_m = rows < M, cols < N
@@ -123,8 +125,9 @@ if triton_ops.triton is not None:
 
 
 def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
-    """The skinny kernels take `x [M, K]` (unit column stride, 1 <= M <= MAX_M) and a contiguous `weight [N, K]`
-    of x's dtype, K and N multiples of 16, on the fast path, unless `CONFIGS` leaves the shape to cuBLAS."""
+    """The skinny kernels take `x [M, K]` (unit column stride, 1 <= M <= MAX_M) and a contiguous
+    `weight [N, K]` of x's dtype, K and N multiples of 16, on the fast path, unless `CONFIGS` leaves the shape
+    to cuBLAS."""
     return (ENABLED and triton_ops.fast_path(x) and x.dim() == 2 and x.stride(1) == 1
             and 0 < x.shape[0] <= MAX_M and weight.dim() == 2 and weight.is_contiguous()
             and weight.dtype == x.dtype and weight.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
@@ -137,7 +140,8 @@ def m_bucket(m: int) -> int:
 
 
 def config(n: int, k: int, m: int, gated: bool) -> Config:
-    """`CONFIGS[(n, k, m_bucket(m), gated)]`, else enough column tiles to cover the SMs (~132 on an H100/H200)."""
+    """`CONFIGS[(n, k, m_bucket(m), gated)]`, else enough column tiles to cover the SMs (~132 on an
+    H100/H200)."""
     tiles = CONFIGS.get((n, k, m_bucket(m), gated))
     if tiles is not None:
         return tiles
@@ -166,8 +170,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     ws = out if split == 1 else torch.empty(split, m, n * (2 if gated else 1), device=x.device,
                                             dtype=torch.float32)
     _skinny_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
-        x, weight, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, PRECISION=precision, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags)
+        x, weight, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, PRECISION=precision,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](ws, bias_arg, out, m, n, BLOCK_N=block, **flags)
