@@ -21,8 +21,8 @@ import numpy as np
 import torch
 
 from omnistage.entrypoints.omni import Omni
-from omnistage.pipeline.talker_runner import FrameBatch
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.talker.runner import FrameBatch
+from omnistage.pipeline.thinker.seq import ThinkerSeq
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 PROMPTS = ["Read this aloud: the quick brown fox jumps over the lazy dog.", "Say hello.",

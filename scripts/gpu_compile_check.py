@@ -17,7 +17,7 @@ import torch
 from omnistage.engine.block_manager import BlockManager
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.models.qwen3_omni.model import build_stage, load_config
-from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
+from omnistage.pipeline.talker.runner import FrameBatch, TalkerGraphRunner
 from omnistage.sampling_params import TalkerSamplingParams
 
 CTX, BLOCK = 200, 16

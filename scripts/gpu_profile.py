@@ -28,8 +28,8 @@ from gpu_check import sync, talker_steps, thinker_steps, time_steps
 from omnistage.engine.cuda_graph import CUDAGraphs
 from omnistage.entrypoints.omni import Omni
 from omnistage.layers import triton_linear, triton_ops
-from omnistage.pipeline.talker_runner import FrameBatch
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.talker.runner import FrameBatch
+from omnistage.pipeline.thinker.seq import ThinkerSeq
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 

@@ -53,8 +53,8 @@ KINDS = [("stream", 40), ("text", 20), ("speech", 15), ("drop", 10), ("bad", 10)
 def serve_with_faults(serve_args: list[str]) -> None:
     """`omnistage serve`, with the thinker and talker failing marked requests (per-request faults)."""
     from omnistage.pipeline.orchestrator import Orchestrator
-    from omnistage.pipeline.talker_stage import TalkerStage
-    from omnistage.pipeline.thinker_stage import ThinkerStage
+    from omnistage.pipeline.talker.stage import TalkerStage
+    from omnistage.pipeline.thinker.stage import ThinkerStage
     from omnistage.server.launch import add_serve_args, serve
 
     marked: dict[str, str] = {}

@@ -15,7 +15,7 @@ from transformers import Qwen3OmniMoeConfig
 from omnistage.models.qwen3_omni.model import build_stage
 from omnistage.models.qwen3_omni.presets import preset_config
 from omnistage.outputs import OutputDelta
-from omnistage.pipeline.code2wav_stage import Code2WavStage
+from omnistage.pipeline.code2wav.stage import Code2WavStage
 from omnistage.pipeline.connector import FrameChunk
 
 INITIAL, CHUNK, MAX_BATCH = 4, 5, 8

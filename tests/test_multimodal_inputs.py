@@ -130,7 +130,7 @@ def test_processor_per_item_options() -> None:
 
 
 def test_encoders_batched_across_requests() -> None:
-    from omnistage.pipeline.thinker_inputs import encode_media, encode_together
+    from omnistage.pipeline.thinker.inputs import encode_media, encode_together
 
     thinker, processor = thinker_module("tiny"), PromptProcessor(tiny_checkpoint("tiny"))
     prompts = [processor(c, u) for c, u in (

@@ -16,14 +16,14 @@ from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.pipeline.faults import EngineDeadError
-from omnistage.pipeline.placement import Placement, replica_names
+from omnistage.pipeline.placement.local import Placement, replica_names
 from omnistage.server.launch import LaunchError, add_serve_args, deploy_config, deploy_overrides
 
 from graph_helpers import settle
 from test_engine import conv, greedy
 
 ray = pytest.importorskip("ray")
-from omnistage.pipeline.ray_placement import actor_options, gpu_shares  # noqa: E402  (needs ray)
+from omnistage.pipeline.placement.ray import actor_options, gpu_shares  # noqa: E402  (needs ray)
 
 KV = 16 << 20  # small KV caches: quick to allocate in five processes
 VOICES = ["Ethan", "Aiden", "Chelsie"]

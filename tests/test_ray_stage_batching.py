@@ -11,7 +11,7 @@ pytest.importorskip("ray")
 
 from omnistage.engine.request import Request  # noqa: E402
 from omnistage.models.qwen3_omni.prompt import PromptInputs  # noqa: E402
-from omnistage.pipeline import ray_placement  # noqa: E402
+from omnistage.pipeline.placement import ray as ray_placement  # noqa: E402
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams  # noqa: E402
 
 

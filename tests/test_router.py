@@ -7,7 +7,7 @@ import time
 from collections import Counter, defaultdict
 
 from omnistage.entrypoints.omni import ChatResult
-from omnistage.pipeline.router import Router
+from omnistage.pipeline.placement.router import Router
 
 from graph_helpers import settle
 from test_engine import conv, greedy, omni

@@ -14,9 +14,9 @@ from omnistage.engine.request import Request
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, user_mask
 from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds, prompt_embeds_batch, prompt_source
-from omnistage.pipeline import talker_stage
+from omnistage.pipeline.talker import stage as talker_stage
 from omnistage.pipeline.connector import TalkerPrompt, TextChunk
-from omnistage.pipeline.talker_stage import TalkerStage
+from omnistage.pipeline.talker.stage import TalkerStage
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 NO_ASSISTANT = "the prompt has no '<|im_start|>assistant' turn to speak"

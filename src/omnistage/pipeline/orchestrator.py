@@ -22,8 +22,8 @@ from omnistage.outputs import OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.input_checks import check_int64, check_text
-from omnistage.pipeline.placement import Placement, build_stages
-from omnistage.pipeline.router import Router
+from omnistage.pipeline.placement.local import Placement, build_stages
+from omnistage.pipeline.placement.router import Router
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
@@ -42,7 +42,7 @@ class Orchestrator:
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
         if (placement or self.deploy.placement) == "ray":
-            from omnistage.pipeline.ray_placement import build_ray_stages
+            from omnistage.pipeline.placement.ray import build_ray_stages
 
             self.stages = build_ray_stages(*args, lookup=self.requests.get)
         else:

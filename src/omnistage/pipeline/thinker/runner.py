@@ -21,7 +21,7 @@ from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_b
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context, to_device
 from omnistage.layers.sampling import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, sampling_columns, sample
-from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
+from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 
 _FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
 _INTS = INT_FIELDS  # rows 3, 4 of the int buffer; 0: token ids, 1: positions, 2: steps, 5: slots

@@ -15,10 +15,10 @@ import torch
 
 from omnistage.config import DeployConfig, StageConfig
 from omnistage.models.qwen3_omni.model import build_stage, resolve_dtype
-from omnistage.pipeline.code2wav_stage import Code2WavStage
-from omnistage.pipeline.stage_handle import LocalStage, StageHandles
-from omnistage.pipeline.talker_stage import TalkerStage
-from omnistage.pipeline.thinker_stage import ThinkerStage
+from omnistage.pipeline.code2wav.stage import Code2WavStage
+from omnistage.pipeline.placement.stage_handle import LocalStage, StageHandles
+from omnistage.pipeline.talker.stage import TalkerStage
+from omnistage.pipeline.thinker.stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
 from omnistage.platform import current_platform
 

@@ -12,7 +12,7 @@ from omnistage.layers.context import build_context, forward_context, to_device
 from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.rope_index import flat_positions
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner
-from omnistage.pipeline.talker_runner import FrameBatch, TalkerGraphRunner
+from omnistage.pipeline.talker.runner import FrameBatch, TalkerGraphRunner
 
 
 class TalkerFrameStep:

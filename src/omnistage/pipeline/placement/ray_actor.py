@@ -18,8 +18,8 @@ import torch
 
 from omnistage.engine.request import Request
 from omnistage.pipeline.connector import Inbox
-from omnistage.pipeline.placement import Placement, build_replica, replica_worker, tts_embeds
-from omnistage.pipeline.stage_handle import kv_capacity, worker_stats
+from omnistage.pipeline.placement.local import Placement, build_replica, replica_worker, tts_embeds
+from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 
 # The Request fields the stages read: a request's plain copy in an actor is built from these.
 SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")

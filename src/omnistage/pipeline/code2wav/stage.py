@@ -16,7 +16,7 @@ from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
-from omnistage.pipeline.code2wav_runner import Code2WavGraphRunner
+from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, packet_frames
 from omnistage.pipeline.faults import StepFaults
 

@@ -27,9 +27,9 @@ from omnistage.engine.request import Request
 from omnistage.outputs import Usage
 from omnistage.pipeline.connector import Inbox
 from omnistage.pipeline.faults import EngineDeadError
-from omnistage.pipeline.placement import Placement, replica_names
-from omnistage.pipeline.ray_actor import StageActor, request_spec
-from omnistage.pipeline.stage_handle import StageHandles
+from omnistage.pipeline.placement.local import Placement, replica_names
+from omnistage.pipeline.placement.ray_actor import StageActor, request_spec
+from omnistage.pipeline.placement.stage_handle import StageHandles
 from omnistage.platform import current_platform
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import torch
 from omnistage.engine.request import Request
 from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.rope_index import MRope
-from omnistage.pipeline.talker_runner import FrameBatch
+from omnistage.pipeline.talker.runner import FrameBatch
 
 
 @dataclass

@@ -13,9 +13,9 @@ from omnistage.layers.sampling import SamplingTensors
 from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.rope_index import flat_positions
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner
-from omnistage.pipeline.thinker_inputs import step_deepstack
-from omnistage.pipeline.thinker_runner import sample_tokens
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.thinker.inputs import step_deepstack
+from omnistage.pipeline.thinker.runner import sample_tokens
+from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
 class ThinkerEagerStep:

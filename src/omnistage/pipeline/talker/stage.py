@@ -20,9 +20,9 @@ from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults, together
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
-from omnistage.pipeline.talker_frame_step import TalkerFrameStep
-from omnistage.pipeline.talker_runner import TalkerGraphRunner
-from omnistage.pipeline.talker_seq import Launched, TalkerSeq, frame_batch
+from omnistage.pipeline.talker.frame_step import TalkerFrameStep
+from omnistage.pipeline.talker.runner import TalkerGraphRunner
+from omnistage.pipeline.talker.seq import Launched, TalkerSeq, frame_batch
 
 
 class TalkerStage(AsyncOutputStep):

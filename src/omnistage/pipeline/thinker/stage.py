@@ -20,10 +20,10 @@ from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
-from omnistage.pipeline.thinker_eager import ThinkerEagerStep
-from omnistage.pipeline.thinker_inputs import Media, encode_media, encode_together, new_seq
-from omnistage.pipeline.thinker_runner import ThinkerGraphRunner
-from omnistage.pipeline.thinker_seq import Launched, ThinkerSeq
+from omnistage.pipeline.thinker.eager import ThinkerEagerStep
+from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
+from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
+from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 
 
 class ThinkerStage(AsyncOutputStep):

@@ -17,7 +17,7 @@ from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, mrope_positions
 from omnistage.pipeline.faults import together
-from omnistage.pipeline.thinker_seq import ThinkerSeq
+from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
 def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
