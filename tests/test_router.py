@@ -1,4 +1,4 @@
-"""Sticky least-loaded routing over a stage's replicas (pipeline/router.py), alone and in the engine."""
+"""Sticky least-loaded routing over a stage's replicas (pipeline/placement/router.py), alone and in the engine."""
 
 from __future__ import annotations
 

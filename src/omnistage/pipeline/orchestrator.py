@@ -1,5 +1,5 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
-thread, or by `ray_placement.build_ray_stages`, each in a Ray actor), routes them over replicas, fails a
+thread, or by `placement.ray.build_ray_stages`, each in a Ray actor), routes them over replicas, fails a
 request that fails in a stage (only it), and fails every request loudly if a stage dies."""
 
 from __future__ import annotations

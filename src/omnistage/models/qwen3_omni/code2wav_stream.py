@@ -86,7 +86,7 @@ class Code2WavStreamer:
     """Batched streaming decode over many requests.
 
     `step` groups requests by (chunk length, first chunk); each group is one fixed-shape batched
-    forward (`decode_group`), the unit `pipeline.code2wav_runner` captures per (batch bucket, n, first).
+    forward (`decode_group`), the unit `pipeline.code2wav.runner` captures per (batch bucket, n, first).
     """
 
     def __init__(self, model: Code2Wav, max_streams: int):

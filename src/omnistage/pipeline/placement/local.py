@@ -1,6 +1,6 @@
 """Where each stage runs: its model built on its device (replica i of a stage on the deploy config's
 `devices[i % len(devices)]`), its KV cache sized from the deploy config, and its worker thread; or, with
-`placement: ray`, each replica in a Ray actor (pipeline/ray_placement.py) built by the same `build_replica`."""
+`placement: ray`, each replica in a Ray actor (pipeline/placement/ray.py) built by the same `build_replica`."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """What the orchestrator holds of each stage replica: a handle with one small interface, whether the
 replica runs in this process (`LocalStage`: the stage and its worker thread) or in a Ray actor
-(`pipeline/ray_placement.RayStage`). The request lifecycle in `Orchestrator` is the same for both."""
+(`pipeline/placement/ray.RayStage`). The request lifecycle in `Orchestrator` is the same for both."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ The graph is token ids -> embeddings -> thinker forward over the paged KV cache 
 graph. A row whose last token is still in flight (asynchronous output) takes it from the launched step
 on the device. Padding rows (past the live ones) feed token 0 at position 0, are greedy, use the
 table's scratch row and write KV only to the scratch block (`engine.cuda_graph.StaticDecodeContext`).
-Sampling always takes its general path, as in `pipeline.talker_runner`: a greedy row is still its argmax,
+Sampling always takes its general path, as in `pipeline.talker.runner`: a greedy row is still its argmax,
 neutral truncation removes nothing.
 """
 
