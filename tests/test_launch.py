@@ -44,3 +44,38 @@ def test_deploy_overrides_flag(tiny_dir):
     for bad, why in (("{async_chunk}", "not JSON"), ("[1]", "expected a JSON object")):
         with pytest.raises(LaunchError, match=f"--deploy-overrides: {why}"):
             json_object(bad, "--deploy-overrides")
+
+
+def test_start_up_log_says_when_the_tiny_checkpoint_is_written(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("OMNISTAGE_CACHE_DIR", str(tmp_path))
+    caplog.set_level("INFO", "omnistage.serve")
+    first, again = resolve_model(None).path, resolve_model(None).path
+    assert first == again and first.is_relative_to(tmp_path)
+    said = [r.getMessage() for r in caplog.records if r.name == "omnistage.serve"]
+    assert said[0].endswith("written now (first start only); OMNISTAGE_CACHE_DIR moves the cache")
+    assert "written at an earlier start" in said[1] and str(first) in said[1]
+
+
+def test_bench_without_its_extra_names_the_extra(monkeypatch, capsys):
+    import importlib.util
+
+    from omnistage.cli import main
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda m, *a: None if m == "httpx" else find(m, *a))
+    with pytest.raises(SystemExit, match=r"omnistage bench needs httpx: pip install 'omnistage\[bench\]'"):
+        main(["bench", "--base-url", "http://127.0.0.1:1"])
+
+
+def test_generate_help_has_defaults_and_warns_of_random_weights(capsys, monkeypatch):
+    from omnistage import cli
+
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        cli.main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert "codec frames at most, 12.5 per second (default: 200)" in out and "speaker_id; default: Ethan)" in out
+    monkeypatch.setattr("omnistage.entrypoints.omni.Omni", lambda *a, **k: (_ for _ in ()).throw(RuntimeError))
+    with pytest.raises(RuntimeError):
+        cli.main(["generate", "--prompt", "hi"])
+    assert "omnistage generate: the weights are RANDOM" in capsys.readouterr().err

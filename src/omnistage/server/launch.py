@@ -6,6 +6,7 @@ import argparse
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -47,15 +48,25 @@ def resolve_model(model: str | None, served_model_name: str | None = None,
     """No `model`: the built-in tiny random-weight checkpoint. A local directory is used as it is; any other
     string that is not path-like is a Hugging Face Hub id, downloaded (needs internet)."""
     if model is None:
-        from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-
-        return ModelSource(tiny_checkpoint(), served_model_name or TINY_MODEL_NAME, True)
+        return ModelSource(_tiny_checkpoint(), served_model_name or TINY_MODEL_NAME, True)
     path = Path(model).expanduser()
     if not path.is_dir():
         if path.exists() or model.startswith(("/", ".", "~")) or model.count("/") > 1:
             raise LaunchError(f"{model}: not a checkpoint directory")
         path = download(model)
     return ModelSource(path, served_model_name or model, load_format == "dummy")
+
+
+def _tiny_checkpoint() -> Path:
+    from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+    start = time.time()
+    path = tiny_checkpoint()
+    fresh = path.stat().st_mtime >= start
+    done = "written now (first start only)" if fresh else "written at an earlier start"
+    logger.info("no MODEL given: the built-in tiny random-weight checkpoint at %s, %s; OMNISTAGE_CACHE_DIR "
+                "moves the cache", path, done)
+    return path
 
 
 def download(repo_id: str) -> Path:
