@@ -118,8 +118,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
                        load_format=args.load_format, media_policy=policy)
     voices = engine.engine.voices
-    logger.info("voices: %s", ", ".join(voices))
-    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
+    logger.info("voices: %s", ", ".join(voices) or "none (no audio output: a thinker-only checkpoint)")
+    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices,
+            "audio_output": bool(voices)}
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
