@@ -54,8 +54,16 @@ GENERATION = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty
 
 
 def test_generation_config_defaults_applied_and_overridden(tmp_path):
-    from omnistage.generation_config import describe_defaults, read_generation_config, with_generation_defaults
-    from omnistage.server.protocol import ChatCompletionRequest, talker_sampling_params, thinker_sampling_params
+    from omnistage.generation_config import (
+        describe_defaults,
+        read_generation_config,
+        with_generation_defaults,
+    )
+    from omnistage.server.protocol import (
+        ChatCompletionRequest,
+        talker_sampling_params,
+        thinker_sampling_params,
+    )
 
     (tmp_path / "generation_config.json").write_text(json.dumps(GENERATION))
     deploy = build_deploy_config({"stages": {"thinker": {"sampling": {"temperature": 0.2}}}}, "cpu")
@@ -67,7 +75,8 @@ def test_generation_config_defaults_applied_and_overridden(tmp_path):
     assert merged.stages.talker.sampling == {"temperature": 0.5, "max_frames": 300}
     req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], top_p=0.5, max_tokens=7)
     sp = thinker_sampling_params(req, merged.stages.thinker.sampling)  # the request's fields > all
-    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (0.2, 0.5, 30, 1.1, 7)
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (
+        0.2, 0.5, 30, 1.1, 7)
     tp = talker_sampling_params(req, merged.stages.talker.sampling)
     assert (tp.temperature, tp.top_k, tp.top_p, tp.max_frames) == (0.5, 50, 1.0, 300)
     assert describe_defaults(deploy, generation)[1] == (
@@ -90,10 +99,13 @@ def test_generation_config_flag(tiny_dir, tmp_path, caplog):
         merged = generation_defaults(shipped, tiny_dir, "auto")  # the real file: talker keys only
     assert merged.stages.thinker.sampling == shipped.stages.thinker.sampling
     assert merged.stages.talker.sampling == {**shipped.stages.talker.sampling, "top_p": 1.0}
-    assert "thinker sampling defaults (request fields override): temperature=0.4 top_p=0.9 top_k=1" in caplog.text
+    thinker = "thinker sampling defaults (request fields override): temperature=0.4 top_p=0.9 top_k=1"
+    assert thinker in caplog.text
     assert "top_p from generation_config.json" in caplog.text
-    with pytest.raises(LaunchError, match=f"--generation-config: {tmp_path}/generation_config.json not found"):
+    missing = f"--generation-config: {tmp_path}/generation_config.json not found"
+    with pytest.raises(LaunchError, match=missing):
         generation_defaults(shipped, tiny_dir, str(tmp_path))
     (tmp_path / "generation_config.json").write_text('{"top_p": 2}')
-    with pytest.raises(LaunchError, match="generation_config.json with stages.thinker.sampling: top_p must be"):
+    bad = "generation_config.json with stages.thinker.sampling: top_p must be"
+    with pytest.raises(LaunchError, match=bad):
         generation_defaults(build_deploy_config({}, "cpu"), tiny_dir, str(tmp_path))

@@ -124,11 +124,11 @@ def test_real_repo_layout_serves_image_and_audio_in_text_and_audio_out(client, s
     chat_template.json, one preprocessor_config.json): an image and an audio in, text and speech out."""
     root = Path(httpx.get(servers[0].url + "/v1/models").json()["data"][0]["root"])
     assert sorted(f.name for f in root.iterdir() if f.suffix != ".safetensors") == [
-        "chat_template.json", "config.json", "generation_config.json", "merges.txt", "model.safetensors.index.json",
-        "preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
+        "chat_template.json", "config.json", "generation_config.json", "merges.txt",
+        "model.safetensors.index.json", "preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
     tone = base64.b64encode((servers[2] / "tone.wav").read_bytes()).decode()
     text_only = spoken(client).usage.prompt_tokens
-    both = spoken(client, {"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 64), "image/png")}},
-                  {"type": "input_audio", "input_audio": {"data": tone, "format": "wav"}})
+    image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 64), "image/png")}}
+    both = spoken(client, image, {"type": "input_audio", "input_audio": {"data": tone, "format": "wav"}})
     # 64 x 64 px: 2 x 2 merged tokens; 2 s at 16 kHz: 26; each with its start and end token
     assert both.usage.prompt_tokens == text_only + (4 + 2) + (26 + 2)

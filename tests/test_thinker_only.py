@@ -1,5 +1,5 @@
-"""A thinker-only checkpoint (-Thinking / -Captioner: enable_audio_output false, no talker or code2wav tensors)
-serves text through `omnistage serve`'s app; every ask for audio is a 400 that says why."""
+"""A thinker-only checkpoint (-Thinking / -Captioner: enable_audio_output false, no talker or code2wav
+tensors) serves text through `omnistage serve`'s app; every ask for audio is a 400 that says why."""
 
 from __future__ import annotations
 
@@ -47,10 +47,12 @@ def test_text_served_and_models_say_no_audio(http):
     assert (model["voices"], model["audio_output"]) == ([], False)
 
 
+HI = [{"role": "user", "content": "Hi"}]
+
+
 @pytest.mark.parametrize("route, body, param", [
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"]},
-     "modalities"),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "modalities": ["text", "audio"],
+    ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"]}, "modalities"),
+    ("/v1/chat/completions", {"messages": HI, "modalities": ["text", "audio"],
                               "audio": {"voice": "Ethan", "format": "wav"}}, "modalities"),
     ("/v1/audio/speech", {"input": "Hello", "voice": "Ethan"}, None),
 ])

@@ -75,7 +75,8 @@ def test_full_size_parameter_count_on_meta() -> None:
 
 def test_fused_expert_state_dict_loads(tmp_path: Path) -> None:
     """transformers' in-memory layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I],
-    `thinker.model.language_model.*`) saved as it is loads to the same parameters as the per-expert checkpoint."""
+    `thinker.model.language_model.*`) saved as it is loads to the same parameters as the per-expert
+    checkpoint."""
     from safetensors.torch import save_file
 
     state = hf_reference("tiny").state_dict()

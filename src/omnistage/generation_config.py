@@ -1,11 +1,11 @@
 """`--generation-config`: the checkpoint's generation_config.json as the default sampling, as in vLLM.
 
-`auto` (the default) reads MODEL/generation_config.json, a folder reads FOLDER/generation_config.json, and `vllm`
-(vLLM's spelling) reads none: the built-in defaults. Precedence, highest first: the request's fields > the keys
-the deploy config sets in `stages.<stage>.sampling` > generation_config.json > SamplingParams' defaults.
-Thinker: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens` (our `max_tokens`), each
-also as `thinker_<key>` (which wins); `do_sample: false` is greedy. Talker: the same keys with `talker_`
-(`talker_max_new_tokens` is our `max_frames`). Qwen3-Omni's own file holds talker keys only.
+`auto` (the default) reads MODEL/generation_config.json, a folder reads FOLDER/generation_config.json, and
+`vllm` (vLLM's spelling) reads none: the built-in defaults. Precedence, highest first: the request's fields >
+the keys the deploy config sets in `stages.<stage>.sampling` > generation_config.json > SamplingParams'
+defaults. Thinker: `temperature`, `top_p`, `top_k`, `min_p`, `repetition_penalty`, `max_new_tokens` (our
+`max_tokens`), each also as `thinker_<key>` (which wins); `do_sample: false` is greedy. Talker: the same keys
+with `talker_` (`talker_max_new_tokens` is our `max_frames`). Qwen3-Omni's own file holds talker keys only.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def sampling_defaults(generation: dict[str, Any], prefixes: tuple[str, ...], key
     """Our sampling fields from a generation config's keys (later prefixes win)."""
     out: dict[str, Any] = {}
     for prefix in prefixes:
-        out.update((ours, generation[prefix + key]) for key, ours in keys.items() if prefix + key in generation)
+        out.update((ours, generation[prefix + key]) for key, ours in keys.items()
+                   if prefix + key in generation)
         if generation.get(prefix + "do_sample") is False:
             out["temperature"] = 0.0
     return out

@@ -85,7 +85,11 @@ def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None
 def generation_defaults(deploy: DeployConfig, model_dir: Path, source: str) -> DeployConfig:
     """`deploy` with the default sampling of `--generation-config` (see `omnistage.generation_config`),
     each stage's effective defaults logged."""
-    from omnistage.generation_config import describe_defaults, read_generation_config, with_generation_defaults
+    from omnistage.generation_config import (
+        describe_defaults,
+        read_generation_config,
+        with_generation_defaults,
+    )
 
     try:
         generation = read_generation_config(model_dir, source)
@@ -167,9 +171,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--deploy-overrides", default=None,
                    help='JSON of top-level deploy keys, e.g. \'{"async_chunk": false}\' (ablations)')
     p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
-                   help="default sampling from MODEL/generation_config.json (auto), FOLDER/generation_config.json, "
-                        "or none (vllm: the built-in defaults); the deploy config's stage sampling keys and "
-                        "the request's fields win over it")
+                   help="default sampling from MODEL/generation_config.json (auto), "
+                        "FOLDER/generation_config.json, or none (vllm: the built-in defaults); the deploy "
+                        "config's stage sampling keys and the request's fields win over it")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
     p.add_argument("--device", default=None,

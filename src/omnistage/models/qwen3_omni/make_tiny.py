@@ -43,9 +43,9 @@ def hf_parameter_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ..
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-# The real Qwen3-Omni-30B-A3B-Instruct generation_config.json, whole: talker defaults only, no thinker sampling.
-GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty": 1.05, "talker_temperature": 0.9,
-                     "talker_top_k": 50, "talker_top_p": 1.0}
+# The real Qwen3-Omni-30B-A3B-Instruct generation_config.json, whole: talker defaults, no thinker sampling.
+GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty": 1.05,
+                     "talker_temperature": 0.9, "talker_top_k": 50, "talker_top_p": 1.0}
 # What a thinker-only variant (-Thinking, -Captioner) changes: no talker or code2wav, so no speech.
 THINKER_ONLY = {"enable_audio_output": False}
 
@@ -78,7 +78,8 @@ def make_tiny(out_dir: str | Path, seed: int = 0, preset: str = "tiny",
     out.mkdir(parents=True, exist_ok=True)
     config = deep_merge(preset_config(preset), overrides or {})
     if thinker_only:
-        config = {k: v for k, v in config.items() if k not in ("talker_config", "code2wav_config")} | THINKER_ONLY
+        dropped = ("talker_config", "code2wav_config")
+        config = {k: v for k, v in config.items() if k not in dropped} | THINKER_ONLY
     # NOTE: without transformers_version, transformers 5.17 warns that the tokenizer has "an incorrect regex"
     config.update(dtype="float32", transformers_version=transformers.__version__)
     params = hf_parameter_shapes(config)
@@ -128,7 +129,8 @@ def add_make_tiny_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 
 def main_make_tiny(argv: list[str] | None = None) -> int:
     """`omnistage make-tiny OUT_DIR [--preset tiny] [--seed 0] [--max-shard-mb 50] [--thinker-only]`."""
-    return run_make_tiny(add_make_tiny_args(argparse.ArgumentParser(prog="omnistage make-tiny")).parse_args(argv))
+    parser = add_make_tiny_args(argparse.ArgumentParser(prog="omnistage make-tiny"))
+    return run_make_tiny(parser.parse_args(argv))
 
 
 def run_make_tiny(args: argparse.Namespace) -> int:

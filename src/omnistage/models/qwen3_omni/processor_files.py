@@ -13,7 +13,12 @@ import json
 from pathlib import Path
 from typing import Any
 
-from omnistage.models.qwen3_omni.tokenizer import CHAT_TEMPLATE, TEXT_LIKE_TOKENS, special_token_ids, tokenizer_json
+from omnistage.models.qwen3_omni.tokenizer import (
+    CHAT_TEMPLATE,
+    TEXT_LIKE_TOKENS,
+    special_token_ids,
+    tokenizer_json,
+)
 
 PROCESSOR_CLASS = "Qwen3OmniMoeProcessor"
 MODEL_MAX_LENGTH = 65536
@@ -44,13 +49,14 @@ def tokenizer_config() -> dict[str, Any]:
 
 
 def preprocessor_config(thinker: dict[str, Any]) -> dict[str, Any]:
-    """The real repo's preprocessor_config.json: WhisperFeatureExtractor (128 log-mel bins at 16 kHz, 10 ms hop)
-    and the Qwen2-VL image processor (min_pixels 3136, max_pixels 12845056), patching as the vision config."""
+    """The real repo's preprocessor_config.json: WhisperFeatureExtractor (128 log-mel bins at 16 kHz, 10 ms
+    hop) and the Qwen2-VL image processor (min_pixels 3136, max_pixels 12845056), patching as the vision
+    config."""
     audio, vision = thinker["audio_config"], thinker["vision_config"]
     return dict(
-        feature_extractor_type="WhisperFeatureExtractor", feature_size=audio["num_mel_bins"], sampling_rate=16000,
-        hop_length=160, n_fft=400, chunk_length=300, n_samples=4_800_000, nb_max_frames=30_000,
-        padding_side="right", padding_value=0.0, return_attention_mask=True, dither=0.0,
+        feature_extractor_type="WhisperFeatureExtractor", feature_size=audio["num_mel_bins"],
+        sampling_rate=16000, hop_length=160, n_fft=400, chunk_length=300, n_samples=4_800_000,
+        nb_max_frames=30_000, padding_side="right", padding_value=0.0, return_attention_mask=True, dither=0.0,
         image_processor_type="Qwen2VLImageProcessor", patch_size=vision["patch_size"],
         temporal_patch_size=vision["temporal_patch_size"], merge_size=vision["spatial_merge_size"],
         min_pixels=3136, max_pixels=12_845_056, image_mean=IMAGE_MEAN_STD, image_std=IMAGE_MEAN_STD,

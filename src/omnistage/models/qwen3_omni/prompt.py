@@ -1,9 +1,9 @@
 """Chat messages -> thinker prompt ids and encoder inputs, through the checkpoint's processor pieces.
 
 transformers' `Qwen3OmniMoeProcessor` cannot be built without torchvision (its video processor imports
-it), so its pieces are used directly: the tokenizer with the folder's chat template (`load_tokenizer`), the WhisperFeatureExtractor,
-and the image processor for images and video frames (`visual_processing.py`). Placeholders expand as the
-processor expands them (audio-in-video interleaving included).
+it), so its pieces are used directly: the tokenizer with the folder's chat template (`load_tokenizer`),
+the WhisperFeatureExtractor, and the image processor for images and video frames (`visual_processing.py`).
+Placeholders expand as the processor expands them (audio-in-video interleaving included).
 """
 
 from __future__ import annotations
