@@ -84,7 +84,7 @@ def test_generation_config_defaults_applied_and_overridden(tmp_path):
         "repetition_penalty=1.05 max_frames=300 ignore_eos=False (temperature from generation_config.json, "
         "max_frames from generation_config.json)")
     assert with_generation_defaults(deploy, read_generation_config(tmp_path, "vllm")) == deploy
-    greedy = with_generation_defaults(deploy, {"do_sample": False, "talker_do_sample": False})
+    greedy = with_generation_defaults(deploy, {"do_sample": False, "talker_do_sample": False, "top_p": None})
     assert greedy.stages.thinker.sampling["temperature"] == 0.2 and greedy.stages.talker.sampling == {
         "temperature": 0.0}
 

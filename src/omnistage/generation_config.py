@@ -38,18 +38,21 @@ def read_generation_config(model_dir: str | Path, source: str = "auto") -> dict[
             return {}
         raise ConfigError(f"--generation-config: {path} not found")
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        generation = json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not JSON ({e})") from None
+    if not isinstance(generation, dict):
+        raise ConfigError(f"{path}: not a JSON object")
+    return generation
 
 
 def sampling_defaults(generation: dict[str, Any], prefixes: tuple[str, ...], keys: dict[str, str]
                       ) -> dict[str, Any]:
-    """Our sampling fields from a generation config's keys (later prefixes win)."""
+    """Our sampling fields from a generation config's keys (later prefixes win; null is unset)."""
     out: dict[str, Any] = {}
     for prefix in prefixes:
         out.update((ours, generation[prefix + key]) for key, ours in keys.items()
-                   if prefix + key in generation)
+                   if generation.get(prefix + key) is not None)
         if generation.get(prefix + "do_sample") is False:
             out["temperature"] = 0.0
     return out
