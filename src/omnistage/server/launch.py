@@ -93,6 +93,24 @@ def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None
         raise LaunchError(str(e)) from None
 
 
+def generation_defaults(deploy: DeployConfig, model_dir: Path, source: str) -> DeployConfig:
+    """`deploy` with the default sampling of `--generation-config` (see `omnistage.generation_config`),
+    each stage's effective defaults logged."""
+    from omnistage.generation_config import (
+        describe_defaults,
+        read_generation_config,
+        with_generation_defaults,
+    )
+
+    try:
+        generation = read_generation_config(model_dir, source)
+        for line in describe_defaults(deploy, generation):
+            logger.info("%s", line)
+        return with_generation_defaults(deploy, generation)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
 def json_object(text: str | None, flag: str) -> dict:
     """A CLI flag's JSON object ({} when not given)."""
     try:
@@ -122,6 +140,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     source = resolve_model(args.model, args.served_model_name, args.load_format)
     deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device,
                            deploy_overrides(args))
+    deploy = generation_defaults(deploy, source.path, args.generation_config)
     logger.info("serving %s from %s", source.name, source.path)
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
@@ -129,8 +148,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
                        load_format=args.load_format, media_policy=policy)
     voices = engine.engine.voices
-    logger.info("voices: %s", ", ".join(voices))
-    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
+    logger.info("voices: %s", ", ".join(voices) or "none (no audio output: a thinker-only checkpoint)")
+    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices,
+            "audio_output": bool(voices)}
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
@@ -161,6 +181,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help='JSON keyed by stage, e.g. \'{"talker": {"max_batch_size": 16}}\'')
     p.add_argument("--deploy-overrides", default=None,
                    help='JSON of top-level deploy keys, e.g. \'{"async_chunk": false}\' (ablations)')
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="default sampling from MODEL/generation_config.json (auto), "
+                        "FOLDER/generation_config.json, or none (vllm: the built-in defaults); the deploy "
+                        "config's stage sampling keys and the request's fields win over it")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
     p.add_argument("--device", default=None,
