@@ -200,11 +200,15 @@ def build_ray_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2
         name, i, wname = replicas[k]
         return StageActor.options(**options[k]).remote(actor_p, name, i, wname, **kwargs)
 
-    # NOTE: the talkers need the thinker's tts embeddings; code2wav builds meanwhile.
-    actors = {k: start(k, tokenizer=tokenizer) if k == 0 else start(k)
-              for k in range(len(replicas)) if replicas[k][0] != "talker"}
-    tts = ray.get(actors[0].tts_embeds.remote()) if p.config.enable_audio_output else None
-    actors |= {k: start(k, tts=tts) for k in range(len(replicas)) if replicas[k][0] == "talker"}
+    # NOTE: one actor at a time (thinker first: the talkers need its tts embeddings): each sizes its KV cache
+    # from what its GPU has left when it starts (pipeline/placement/sizing.py).
+    actors, tts = {}, None
+    for k, (name, _, _) in enumerate(replicas):
+        kwargs = {"tokenizer": tokenizer} if k == 0 else {"tts": tts} if name == "talker" else {}
+        actors[k] = start(k, **kwargs)
+        ray.get(actors[k].info.remote())
+        if k == 0 and p.config.enable_audio_output:
+            tts = ray.get(actors[0].tts_embeds.remote())
     to_next = {"thinker": to_talker, "talker": to_code2wav}
     # NOTE: the orchestrator stops its stages in order: the GPUs are freed after the last actor is gone.
     return StageHandles.of([(name, RayStage(actors[k], wname, to_next.get(name), on_error, lookup,
