@@ -72,8 +72,8 @@ def test_too_little_kv_for_one_request_is_refused_with_the_numbers():
     assert str(e.value).startswith(
         "cuda:0: 90.00 GiB may be used (0.90 x 100.00 GiB total - 0.00 GiB held by other processes); after "
         "the weights (61.00 GiB) and the CUDA graphs, buffers and activations (28.50 GiB) 0.50 GiB is left "
-        "for KV caches; too little for one request of the largest default size: thinker 0.56 GiB (384 blocks, "
-        "got 273), talker 0.12 GiB (384 blocks, got 327). Options: spread the stages over more GPUs "
+        "for KV caches; too little for one request of the largest default size: thinker 0.56 GiB (384 "
+        "blocks, got 273), talker 0.12 GiB (384 blocks, got 327). Options: spread the stages over more GPUs "
         "(--deploy-config 2x80gb")
     pinned = (r"0.00 GiB is left for KV caches; the pinned \(int\) kv_cache_memory asks 1.00 GiB; too little "
               r"for one request of the largest default size: talker 0.00 GiB \(1 blocks, got 0\)\. Options")

@@ -4,9 +4,10 @@ measure what the stages need besides their KV caches, then build the stages with
 On CUDA, per device: (1) the free memory before anything is placed there; (2) the weights' bytes, counted on
 the meta device, checked against the budget before loading (a clear refusal, not an out-of-memory error
 half-way through the load); (3) every module loaded; (4) a profiling build: each stage with a provisional
-cache just large enough for the shapes it captures, its CUDA graphs captured, the peak of the allocator
-and the growth of memory outside it measured, then the stages dropped; (5) `memory.plan_kv`; (6) the
-stages built again with their planned caches and captured again. NOTE: (4) doubles the capture time
+cache just large enough for the shapes it captures, its CUDA graphs captured; the overhead is the
+allocator's peak plus the memory taken outside it, less the weights and the provisional caches; then the
+stages dropped; (5) `memory.plan_kv`; (6) the stages built again with their planned caches and captured
+again. NOTE: (4) doubles the capture time
 at start; it measures the graph pools exactly instead of guessing them. Lazy captures at run time (widths
 not captured at start) and eager prefills of multimodal prompts come out of the 1 - utilization headroom.
 Elsewhere (the CPU) a stage's cache is its `kv_cache_memory`: bytes, or a fraction of a nominal 8 GiB.
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from omnistage.config import StageConfig
+from omnistage.layers.attention import Attention
 from omnistage.models.qwen3_omni.model import stage_module
 from omnistage.pipeline.placement.memory import (DeviceMemory, StageMemory, budget, check_weights, gib,
                                                  kv_summary, min_blocks, plan_kv, relative_shares)
@@ -153,24 +155,32 @@ def _plan_device(p: Any, device: torch.device, mem: DeviceMemory, stages: dict[K
     """Profiling build, then `plan_kv` (see the module docstring)."""
     util = p.deploy.gpu_memory_utilization
     _release(device)
-    reserved, free = torch.cuda.memory_reserved(device), torch.cuda.mem_get_info(device)[0]
     torch.cuda.reset_peak_memory_stats(device)
     trial = {k: provisional_blocks(p.deploy.stage(k[0]), s.min_blocks) for k, s in stages.items()
              if s.bytes_per_block}
     built = [make(k[0], k[1], modules[k], trial.get(k, 0)) for k in stages]
     torch.cuda.synchronize(device)
     peak, now = torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device)
-    outside = max(0, (free - torch.cuda.mem_get_info(device)[0]) - (now - reserved))
+    # NOTE: what this process took outside torch's allocator since `mem` (cuBLAS workspaces, kernel images)
+    outside = max(0, mem.free - torch.cuda.mem_get_info(device)[0] - now)
     del built
+    _drop_kv_caches([modules[k] for k in stages])
     _release(device)
     provisional = sum(n * stages[k].bytes_per_block for k, n in trial.items())
-    overhead = peak - reserved - provisional + outside
+    overhead = peak + outside - provisional - sum(s.weight_bytes for s in stages.values())
     plans = {plan.name: plan for plan in plan_kv(str(device), mem, util, list(stages.values()), overhead)}
     logger.info("%s: budget %s (gpu_memory_utilization %.2f x %s - %s held by others); weights %s; CUDA "
                 "graphs, buffers and activations %s (measured)", device, gib(budget(mem, util)), util,
                 gib(mem.total), gib(mem.held_by_others), gib(sum(s.weight_bytes for s in stages.values())),
                 gib(overhead))
     return {k: plans[s.name].num_blocks for k, s in stages.items() if s.bytes_per_block}
+
+
+def _drop_kv_caches(modules: list[torch.nn.Module]) -> None:
+    """The profiling build's caches, before the final ones are allocated (not both at once)."""
+    for m in chain.from_iterable(module.modules() for module in modules):
+        if isinstance(m, Attention):
+            m.k_cache = m.v_cache = None
 
 
 def _release(device: torch.device) -> None:
