@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
 from omnistage.config import DEPLOY_DIR, ConfigError, load_deploy_config, resolve_deploy_config
-from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG
+from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, load_config
 from omnistage.pipeline.placement.memory import (GiB, DeviceMemory, KVPlan, MemoryBudgetError, StageMemory,
                                                  check_weights, kv_summary, plan_kv, relative_shares)
 from omnistage.server.launch import add_serve_args, deploy_config, deploy_overrides
@@ -111,6 +112,24 @@ def test_layout_names_and_the_flag(tiny_dir, tmp_path):
     assert cfg.gpu_memory_utilization == 0.7 and cfg.stages.code2wav.max_batch_size == 16
 
 
+def test_shares_per_device_locally_and_per_actor_with_ray():
+    from omnistage.pipeline.placement.ray_actor import build_order
+    from omnistage.pipeline.placement.sizing import kv_shares
+
+    one, two = (SimpleNamespace(deploy=load_deploy_config(DEPLOY_DIR / f, "cuda"))
+                for f in ("qwen3_omni_moe.yaml", "qwen3_omni_moe_2x80gb.yaml"))
+    keys = [("thinker", 0), ("talker", 0), ("code2wav", 0)]
+    assert kv_shares(one, {k: 0 for k in keys}) == {("thinker", 0): 0.8, ("talker", 0): 0.2}
+    assert kv_shares(two, {("thinker", 0): 0, ("talker", 0): 1, ("code2wav", 0): 1}) == {
+        ("thinker", 0): 1.0, ("talker", 0): 1.0}
+    replicas = [("thinker", 0, "thinker"), ("talker", 0, "talker0"), ("talker", 1, "talker1"),
+                ("code2wav", 0, "code2wav")]
+    assert build_order(replicas) == [replicas[3], replicas[0], replicas[1], replicas[2]]
+    # the talker replica built last on its GPU takes all that is left there, the one before it half
+    assert kv_shares(one, {("talker", 1): 0}) == {("talker", 1): 1.0}
+    assert kv_shares(one, {("talker", 0): 0, ("talker", 1): 0}) == {("talker", 0): 0.5, ("talker", 1): 0.5}
+
+
 def test_the_80gb_layout_fits_an_80gb_card_with_the_real_weights():
     from omnistage.pipeline.placement.sizing import largest_request, weight_bytes
 
@@ -154,3 +173,45 @@ def test_the_log_names_the_capacity_the_engine_refuses_past(tiny_dir, caplog):
                                      sampling={"max_tokens": 4}, talker_sampling=None, emit=lambda d: None)
     finally:
         omni.engine.shutdown()
+
+
+def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatch):
+    """`sizing.build_sized` on a CUDA device, its allocator readings faked: a profiling build with provisional
+    caches, then the final build with the planned blocks; the overhead is the measured peak plus the memory
+    outside the allocator, less the weights and the provisional caches."""
+    from omnistage.engine.block_manager import BlockManager
+    from omnistage.pipeline.placement import sizing
+    from omnistage.pipeline.placement.local import Placement
+
+    deploy = load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", "cuda",
+                                overrides={"gpu_memory_utilization": 0.5})
+    p = Placement(load_config(tiny_dir), deploy, tiny_dir, device="cpu")
+    keys = [("thinker", 0), ("talker", 0), ("code2wav", 0)]
+    loaded = sizing.Loaded({k: p.build(*k) for k in keys}, {k: p.place(*k) for k in keys},
+                           {torch.device("cpu"): DeviceMemory(8 * GiB, 8 * GiB)})
+    weights = sum(sizing.module_bytes(m) for m in loaded.modules.values())
+    per_block = {n: sizing.bytes_per_block(loaded.modules[n, 0], 16, torch.bfloat16)
+                 for n in ("thinker", "talker")}
+    calls = []
+
+    def make(name, i, module, blocks):
+        calls.append((name, blocks))
+        return SimpleNamespace(blocks=BlockManager(blocks, 16) if blocks else None)
+
+    def trial_bytes():
+        return sum(b * per_block[n] for n, b in calls[:3] if b)
+
+    for name, fake in {"empty_cache": lambda: None, "synchronize": lambda d=None: None,
+                       "reset_peak_memory_stats": lambda d=None: None,
+                       "memory_reserved": lambda d=None: weights + trial_bytes() + 100 * MiB,
+                       "max_memory_reserved": lambda d=None: weights + trial_bytes() + 100 * MiB,
+                       "mem_get_info": lambda d=None: (8 * GiB - weights - trial_bytes() - 110 * MiB,
+                                                       8 * GiB)}.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    built = sizing.build_sized(p, loaded, sizing.kv_shares(p, {k: 0 for k in keys}), make)
+    # provisional: the largest request (4096 + 2048 tokens; 4096 + 9 + 4096 rows) + the padding block, + 1
+    assert calls[:3] == [("thinker", 386), ("talker", 515), ("code2wav", 0)]
+    rest = 4 * GiB - weights - 110 * MiB
+    assert calls[3:] == [("thinker", int(rest * 0.8) // per_block["thinker"]),
+                         ("talker", int(rest * 0.2) // per_block["talker"]), ("code2wav", 0)]
+    assert built["thinker", 0].blocks.num_blocks == calls[3][1]

@@ -13,6 +13,7 @@ the floats of the stages on that device).
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 GiB = 1 << 30
@@ -85,7 +86,7 @@ def check_weights(device: str, mem: DeviceMemory, utilization: float, stages: li
                                 f"{_budget_text(mem, utilization)}. {options(utilization)}")
 
 
-def relative_shares(memory: dict[str, float | int]) -> dict[str, float | int]:
+def relative_shares(memory: dict[Hashable, float | int]) -> dict[Hashable, float | int]:
     """Float `kv_cache_memory` values as fractions of their sum (relative shares); ints (bytes) as given."""
     floats = sum(v for v in memory.values() if isinstance(v, float))
     return {k: v / floats if isinstance(v, float) else v for k, v in memory.items()}

@@ -34,6 +34,12 @@ SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "v
 Event = tuple[str, str | None, Any, Any, str | None]
 
 
+def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """The order actors are built in: code2wav (no KV cache) first, then the thinker, the talkers last."""
+    rank = {"code2wav": 0, "thinker": 1, "talker": 2}
+    return sorted(replicas, key=lambda r: rank[r[0]])
+
+
 def request_spec(req: Request) -> dict[str, Any]:
     return {f: getattr(req, f) for f in SPEC_FIELDS}
 
@@ -61,10 +67,11 @@ class StageActor:
         self.p = p
         self.outbox: Inbox[Event] = Inbox(threading.Event())
         self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
-        # NOTE: a per-actor budget: its share among the replicas on its deploy device index, of what is left
-        # when it starts (actors sharing a GPU are built one after another, see `build_ray_stages`).
-        groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i, _ in replica_names(p)}
+        # NOTE: a per-actor budget: of what its GPU has left when it starts, its share among the replicas on
+        # its deploy device index still to be built (in `build_order`, one after another): the last takes all.
+        order = [(n, i) for n, i, _ in build_order(replica_names(p))]
         key = (name, replica)
+        groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i in order[order.index(key):]}
         self.stage = build_sized_replicas(p, [key], kv_shares(p, groups), {name: self._to_next},
                                           tokenizer=tokenizer, tts=tts)[key]
         device = p.place(name, replica)[0]

@@ -127,8 +127,7 @@ def kv_shares(p: Any, groups: dict[Key, Hashable]) -> dict[Key, float | int]:
     out: dict[Key, float | int] = {}
     for g in dict.fromkeys(groups.values()):
         keys = [k for k in groups if groups[k] == g and k[0] != "code2wav"]
-        out |= {k: v for k, v in zip(keys, relative_shares(
-            {label(p, k): p.deploy.stage(k[0]).kv_cache_memory for k in keys}).values())}
+        out |= relative_shares({k: p.deploy.stage(k[0]).kv_cache_memory for k in keys})
     return out
 
 
