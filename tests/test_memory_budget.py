@@ -215,3 +215,17 @@ def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatc
     assert calls[3:] == [("thinker", int(rest * 0.8) // per_block["thinker"]),
                          ("talker", int(rest * 0.2) // per_block["talker"]), ("code2wav", 0)]
     assert built["thinker", 0].blocks.num_blocks == calls[3][1]
+
+
+def test_serve_exits_with_the_budget_message_not_a_traceback(tiny_dir, monkeypatch):
+    from omnistage.entrypoints import async_omni
+    from omnistage.server.launch import LaunchError, build
+
+    def refuse(*args, **kwargs):
+        raise MemoryBudgetError("cuda:0: the weights need 65.68 GiB (...)")
+
+    monkeypatch.setattr(async_omni, "AsyncOmni", refuse)
+    args = add_serve_args(argparse.ArgumentParser()).parse_args([str(tiny_dir), "--device", "cpu"])
+    with pytest.raises(LaunchError) as e:
+        build(args)
+    assert str(e.value) == "omnistage serve: cuda:0: the weights need 65.68 GiB (...)"
