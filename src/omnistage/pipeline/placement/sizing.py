@@ -30,6 +30,7 @@ from omnistage.models.qwen3_omni.model import stage_module
 from omnistage.pipeline.placement.memory import (DeviceMemory, StageMemory, budget, check_weights, gib,
                                                  kv_summary, min_blocks, plan_kv, relative_shares)
 from omnistage.pipeline.placement.stage_handle import worker_name
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +51,7 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
 def weight_bytes(config: Any, name: str, dtype: torch.dtype) -> int:
     """A stage's parameters and buffers in `dtype`, counted on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        module = stage_module(config, name).to(dtype)
-    return sum(t.numel() * t.element_size() for t in chain(module.parameters(), module.buffers()))
+        return module_bytes(stage_module(config, name).to(dtype))
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -75,8 +75,9 @@ def largest_request(deploy: Any, name: str) -> int:
     config's default max_tokens (thinker) or its talker prompt plus max_frames (talker)."""
     prompt = deploy.stage("thinker").max_num_batched_tokens
     if name == "thinker":
-        return prompt + deploy.stage("thinker").sampling.get("max_tokens", 2048)
-    return prompt + TALKER_PROMPT_ROWS + deploy.stage("talker").sampling.get("max_frames", 4096)
+        return prompt + from_dict(SamplingParams, deploy.stage("thinker").sampling).max_tokens
+    frames = from_dict(TalkerSamplingParams, deploy.stage("talker").sampling).max_frames
+    return prompt + TALKER_PROMPT_ROWS + frames
 
 
 def provisional_blocks(sc: StageConfig, minimum: int) -> int:
