@@ -16,7 +16,7 @@ from pathlib import Path
 def write_model_dir(out: Path, preset: str | None = None) -> Path:
     import transformers
 
-    from omnistage.models.qwen3_omni.make_tiny import generation_config
+    from omnistage.models.qwen3_omni.make_tiny import GENERATION_CONFIG
     from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG
     from omnistage.models.qwen3_omni.presets import preset_config
     from omnistage.models.qwen3_omni.processor_files import write_processor_files
@@ -26,7 +26,7 @@ def write_model_dir(out: Path, preset: str | None = None) -> Path:
     config["transformers_version"] = transformers.__version__
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps(generation_config(config), indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG, indent=2) + "\n")
     write_processor_files(out, config)
     return out
 
