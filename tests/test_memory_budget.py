@@ -58,9 +58,9 @@ def test_weights_that_do_not_fit_are_refused_before_loading():
         check_weights("cuda:0", mem, 0.8, full)
     assert str(e.value) == (
         "cuda:0: the weights need 65.68 GiB (thinker 59.08 GiB, talker 6.19 GiB, code2wav 0.40 GiB) but "
-        "62.85 GiB may be used (0.80 x 79.19 GiB total - 0.50 GiB held by other processes). Options: spread "
-        "the stages over more GPUs (--deploy-config 2x80gb: the thinker on GPU 0, the talker and code2wav on "
-        "GPU 1); "
+        "62.85 GiB may be used (0.80 x 79.19 GiB total - 0.50 GiB held by other processes). Options: on one "
+        "80 GB card, --deploy-config 80gb (smaller CUDA-graph sets, batches and caches); spread the stages "
+        "over more GPUs (--deploy-config 2x80gb: the thinker on GPU 0, the talker and code2wav on GPU 1); "
         "raise --gpu-memory-utilization (now 0.80) if nothing else needs the card; free the memory other "
         "processes hold; smaller KV caches (kv_cache_memory in bytes), CUDA-graph sets and max_batch_size in "
         "the deploy config; quantized weights (--quantization) are not supported yet.")
@@ -74,8 +74,8 @@ def test_too_little_kv_for_one_request_is_refused_with_the_numbers():
         "cuda:0: 90.00 GiB may be used (0.90 x 100.00 GiB total - 0.00 GiB held by other processes); after "
         "the weights (61.00 GiB) and the CUDA graphs, buffers and activations (28.50 GiB) 0.50 GiB is left "
         "for KV caches; too little for one request of the largest default size: thinker 0.56 GiB (384 "
-        "blocks, got 273), talker 0.12 GiB (384 blocks, got 327). Options: spread the stages over more GPUs "
-        "(--deploy-config 2x80gb")
+        "blocks, got 273), talker 0.12 GiB (384 blocks, got 327). Options: on one 80 GB card, "
+        "--deploy-config 80gb")
     pinned = (r"0.00 GiB is left for KV caches; the pinned \(int\) kv_cache_memory asks 1.00 GiB; too little "
               r"for one request of the largest default size: talker 0.00 GiB \(1 blocks, got 0\)\. Options")
     with pytest.raises(MemoryBudgetError, match=pinned):
@@ -113,6 +113,7 @@ def test_layout_names_and_the_flag(tiny_dir, tmp_path):
 
 
 def test_shares_per_device_locally_and_per_actor_with_ray():
+    pytest.importorskip("ray")
     from omnistage.pipeline.placement.ray_actor import build_order
     from omnistage.pipeline.placement.sizing import kv_shares
 
@@ -175,11 +176,9 @@ def test_the_log_names_the_capacity_the_engine_refuses_past(tiny_dir, caplog):
         omni.engine.shutdown()
 
 
-def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatch):
-    """`sizing.build_sized` on a CUDA device, its allocator readings faked: a profiling build with provisional
-    caches, then the final build with the planned blocks; the overhead is the measured peak plus the memory
-    outside the allocator, less the weights and the provisional caches."""
-    from omnistage.engine.block_manager import BlockManager
+def faked_cuda(tiny_dir, monkeypatch, make):
+    """`sizing.build_sized` on a CUDA device, its allocator readings faked from what `make` built so far
+    (`make.calls`: (stage, blocks)); returns (built, weights, bytes per block of each stage)."""
     from omnistage.pipeline.placement import sizing
     from omnistage.pipeline.placement.local import Placement
 
@@ -192,14 +191,9 @@ def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatc
     weights = sum(sizing.module_bytes(m) for m in loaded.modules.values())
     per_block = {n: sizing.bytes_per_block(loaded.modules[n, 0], 16, torch.bfloat16)
                  for n in ("thinker", "talker")}
-    calls = []
-
-    def make(name, i, module, blocks):
-        calls.append((name, blocks))
-        return SimpleNamespace(blocks=BlockManager(blocks, 16) if blocks else None)
 
     def trial_bytes():
-        return sum(b * per_block[n] for n, b in calls[:3] if b)
+        return sum(b * per_block[n] for n, b in make.calls[:3] if b)
 
     for name, fake in {"empty_cache": lambda: None, "synchronize": lambda d=None: None,
                        "reset_peak_memory_stats": lambda d=None: None,
@@ -208,13 +202,45 @@ def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatc
                        "mem_get_info": lambda d=None: (8 * GiB - weights - trial_bytes() - 110 * MiB,
                                                        8 * GiB)}.items():
         monkeypatch.setattr(torch.cuda, name, fake)
-    built = sizing.build_sized(p, loaded, sizing.kv_shares(p, {k: 0 for k in keys}), make)
+    return sizing.build_sized(p, loaded, sizing.kv_shares(p, {k: 0 for k in keys}), make), weights, per_block
+
+
+def recording_make(fail_on: str | None = None):
+    from omnistage.engine.block_manager import BlockManager
+
+    def make(name, i, module, blocks):
+        make.calls.append((name, blocks))
+        if name == fail_on:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 422.00 MiB.")
+        return SimpleNamespace(blocks=BlockManager(blocks, 16) if blocks else None)
+
+    make.calls = []
+    return make
+
+
+def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatch):
+    """A profiling build with provisional caches, then the final build with the planned blocks; the
+    overhead is the measured peak plus the memory outside the allocator, less the weights and the
+    provisional caches."""
+    make = recording_make()
+    built, weights, per_block = faked_cuda(tiny_dir, monkeypatch, make)
+    calls = make.calls
     # provisional: the largest request (4096 + 2048 tokens; 4096 + 9 + 4096 rows) + the padding block, + 1
     assert calls[:3] == [("thinker", 386), ("talker", 515), ("code2wav", 0)]
     rest = 4 * GiB - weights - 110 * MiB
     assert calls[3:] == [("thinker", int(rest * 0.8) // per_block["thinker"]),
                          ("talker", int(rest * 0.2) // per_block["talker"]), ("code2wav", 0)]
     assert built["thinker", 0].blocks.num_blocks == calls[3][1]
+
+
+def test_out_of_memory_in_the_profiling_build_is_the_budget_message(tiny_dir, monkeypatch):
+    # on the H200 with 61.5 GB held, the default config's graphs did not fit beside the weights (a traceback)
+    with pytest.raises(MemoryBudgetError) as e:
+        faked_cuda(tiny_dir, monkeypatch, recording_make(fail_on="talker"))
+    message = str(e.value)
+    assert message.startswith("cpu: out of memory while capturing the CUDA graphs with small KV caches (")
+    assert ("4.00 GiB may be used (0.50 x 8.00 GiB total - 0.00 GiB held by other processes), 8.00 GiB was "
+            "free at start. Options: on one 80 GB card, --deploy-config 80gb") in message
 
 
 def test_serve_exits_with_the_budget_message_not_a_traceback(tiny_dir, monkeypatch):

@@ -13,10 +13,11 @@ the floats of the stages on that device).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterable
 from dataclasses import dataclass
 
 GiB = 1 << 30
+ONE_80GB_LAYOUT = "80gb"  # the packaged deploy config for one 80 GB card
 TWO_GPU_LAYOUT = "2x80gb"  # the packaged deploy config (`--deploy-config 2x80gb`) that splits the stages
 
 
@@ -70,11 +71,12 @@ def _budget_text(mem: DeviceMemory, utilization: float) -> str:
 
 
 def options(utilization: float) -> str:
-    return (f"Options: spread the stages over more GPUs (--deploy-config {TWO_GPU_LAYOUT}: the thinker on "
-            f"GPU 0, the talker and code2wav on GPU 1); raise --gpu-memory-utilization (now "
-            f"{utilization:.2f}) if nothing else needs the card; free the memory other processes hold; smaller KV caches "
-            "(kv_cache_memory in bytes), CUDA-graph sets and max_batch_size in the deploy config; quantized "
-            "weights (--quantization) are not supported yet.")
+    return (f"Options: on one 80 GB card, --deploy-config {ONE_80GB_LAYOUT} (smaller CUDA-graph sets, "
+            f"batches and caches); spread the stages over more GPUs (--deploy-config {TWO_GPU_LAYOUT}: the "
+            "thinker on GPU 0, the talker and code2wav on GPU 1); raise --gpu-memory-utilization (now "
+            f"{utilization:.2f}) if nothing else needs the card; free the memory other processes hold; "
+            "smaller KV caches (kv_cache_memory in bytes), CUDA-graph sets and max_batch_size in the deploy "
+            "config; quantized weights (--quantization) are not supported yet.")
 
 
 def check_weights(device: str, mem: DeviceMemory, utilization: float, stages: list[StageMemory]) -> None:
@@ -84,6 +86,15 @@ def check_weights(device: str, mem: DeviceMemory, utilization: float, stages: li
         each = ", ".join(f"{s.name} {gib(s.weight_bytes)}" for s in stages)
         raise MemoryBudgetError(f"{device}: the weights need {gib(need)} ({each}) but "
                                 f"{_budget_text(mem, utilization)}. {options(utilization)}")
+
+
+def profiling_oom(device: str, mem: DeviceMemory, utilization: float, stages: Iterable[StageMemory],
+                  provisional_kv: int) -> str:
+    """The refusal when the profiling build (small KV caches, CUDA graphs captured) ran out of memory."""
+    weights = sum(s.weight_bytes for s in stages)
+    return (f"{device}: out of memory while capturing the CUDA graphs with small KV caches "
+            f"({gib(provisional_kv)}) after the weights ({gib(weights)}): {_budget_text(mem, utilization)}, "
+            f"{gib(mem.free)} was free at start. {options(utilization)}")
 
 
 def relative_shares(memory: dict[Hashable, float | int]) -> dict[Hashable, float | int]:

@@ -27,8 +27,9 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.layers.attention import Attention
 from omnistage.models.qwen3_omni.model import stage_module
-from omnistage.pipeline.placement.memory import (DeviceMemory, StageMemory, budget, check_weights, gib,
-                                                 kv_summary, min_blocks, plan_kv, relative_shares)
+from omnistage.pipeline.placement.memory import (DeviceMemory, MemoryBudgetError, StageMemory, budget,
+                                                 check_weights, gib, kv_summary, min_blocks, plan_kv,
+                                                 profiling_oom, relative_shares)
 from omnistage.pipeline.placement.stage_handle import worker_name
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
@@ -158,7 +159,13 @@ def _plan_device(p: Any, device: torch.device, mem: DeviceMemory, stages: dict[K
     torch.cuda.reset_peak_memory_stats(device)
     trial = {k: provisional_blocks(p.deploy.stage(k[0]), s.min_blocks) for k, s in stages.items()
              if s.bytes_per_block}
-    built = [make(k[0], k[1], modules[k], trial.get(k, 0)) for k in stages]
+    try:
+        built = [make(k[0], k[1], modules[k], trial.get(k, 0)) for k in stages]
+    except torch.OutOfMemoryError:
+        _drop_kv_caches([modules[k] for k in stages])
+        _release(device)
+        provisional = sum(n * stages[k].bytes_per_block for k, n in trial.items())
+        raise MemoryBudgetError(profiling_oom(str(device), mem, util, stages.values(), provisional)) from None
     torch.cuda.synchronize(device)
     peak, now = torch.cuda.max_memory_reserved(device), torch.cuda.memory_reserved(device)
     # NOTE: what this process took outside torch's allocator since `mem` (cuBLAS workspaces, kernel images)
