@@ -21,3 +21,10 @@ def speech_clip(name: str, rate: int = 24000) -> np.ndarray:
 
 def pcm16(wav: np.ndarray) -> np.ndarray:
     return np.clip(np.round(wav * 32768.0), -32768, 32767).astype(np.int16)
+
+
+def speech_only(pcm: np.ndarray, level: float = 0.01) -> np.ndarray:
+    """The clip up to its last sample above `level` of full scale: espeak-ng ends a clip with ~0.26 s of
+    near-silence, which would count as speech time before the speaker's real end."""
+    loud = np.flatnonzero(np.abs(pcm.astype(np.int32)) > level * 32768)
+    return pcm[:loud[-1] + 1] if loud.size else pcm[:0]
