@@ -8,14 +8,8 @@ from collections.abc import Callable
 
 from omnistage.bench.cli import add_bench_args
 from omnistage.config import PLACEMENTS
-from omnistage.server.launch import add_serve_args, serve
-
-
-def _make_tiny(args: argparse.Namespace) -> None:
-    from omnistage.models.qwen3_omni.make_tiny import make_tiny
-
-    path = make_tiny(args.dir, seed=args.seed, preset=args.preset)
-    print(f"wrote a tiny random-weight Qwen3-Omni checkpoint to {path}")
+from omnistage.models.qwen3_omni.make_tiny import add_make_tiny_args, run_make_tiny
+from omnistage.server.launch import RANDOM_WEIGHTS_NOTE, add_serve_args, serve
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -23,6 +17,8 @@ def _generate(args: argparse.Namespace) -> None:
 
     from omnistage.entrypoints.omni import Omni
 
+    if args.model is None or args.load_format == "dummy":
+        print(f"omnistage generate: {RANDOM_WEIGHTS_NOTE}", file=sys.stderr)
     omni = Omni(args.model, load_format=args.load_format, device=args.device, dtype=args.dtype,
                 placement=args.placement)
     modalities = ["text"] if args.text_only else ["text", "audio"]
@@ -37,6 +33,11 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _bench(args: argparse.Namespace) -> None:
+    import importlib.util
+
+    missing = [m for m in ("httpx", "tqdm", "matplotlib") if importlib.util.find_spec(m) is None]
+    if missing:
+        sys.exit(f"omnistage bench needs {', '.join(missing)}: pip install 'omnistage[bench]'")
     from omnistage.bench.cli import run_bench
 
     sys.exit(run_bench(args))
@@ -46,24 +47,30 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("make-tiny", help="write a tiny random-weight HF-format Qwen3-Omni directory")
-    t.add_argument("dir")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--preset", default="tiny")
-    t.set_defaults(func=_make_tiny)
+    t = add_make_tiny_args(sub.add_parser("make-tiny", help="write a tiny random-weight HF-format Qwen3-Omni "
+                                                           "directory (the real repo's file set)"))
+    t.set_defaults(func=run_make_tiny)
 
     g = sub.add_parser("generate", help="one chat turn offline: print the text, write the speech")
-    g.add_argument("model", nargs="?", default=None, help="checkpoint dir (default: the built-in tiny one)")
-    g.add_argument("--prompt", required=True)
-    g.add_argument("--voice", default="Ethan")
-    g.add_argument("--output", default="out.wav")
-    g.add_argument("--text-only", action="store_true")
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--max-frames", type=int, default=200)
-    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto")
-    g.add_argument("--device", default=None)
-    g.add_argument("--dtype", default=None)
+    g.add_argument("model", nargs="?", default=None,
+                   help="checkpoint directory (default: the built-in tiny random-weight one)")
+    g.add_argument("--prompt", required=True, help="the user's message")
+    g.add_argument("--voice", default="Ethan",
+                   help="a voice of the checkpoint (talker_config.speaker_id; default: %(default)s)")
+    g.add_argument("--output", default="out.wav",
+                   help="where the speech goes, 16-bit WAV at 24 kHz (default: %(default)s)")
+    g.add_argument("--text-only", action="store_true", help="text only: no talker, no speech")
+    g.add_argument("--temperature", type=float, default=0.0,
+                   help="the thinker's; 0 is greedy (default: %(default)s)")
+    g.add_argument("--max-tokens", type=int, default=64, help="text tokens at most (default: %(default)s)")
+    g.add_argument("--max-frames", type=int, default=200,
+                   help="codec frames at most, 12.5 per second (default: %(default)s)")
+    g.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: seeded random weights for the architecture; default: %(default)s")
+    g.add_argument("--device", default=None,
+                   help="one torch device for every stage (default: the deploy config's)")
+    g.add_argument("--dtype", default=None,
+                   help="bfloat16 | float16 | float32 (default: the deploy config's)")
     g.add_argument("--placement", choices=PLACEMENTS, default=None, help="as for serve")
     g.set_defaults(func=_generate)
     s = add_serve_args(sub.add_parser("serve", help="the OpenAI-compatible HTTP server (chat, speech)"))

@@ -12,8 +12,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from omnistage.outputs import NO_AUDIO_OUTPUT
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 from omnistage.server.audio_format import AudioFormat, check_format
 from omnistage.server.errors import bad_request
@@ -139,11 +140,11 @@ class AudioParams(_Strict):
 
 
 class MMProcessorKwargs(_Strict):
-    use_audio_in_video: bool | None = None
+    use_audio_in_video: StrictBool | None = None
 
 
 class StreamOptions(_Strict):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class TalkerParams(_Strict):
@@ -152,7 +153,7 @@ class TalkerParams(_Strict):
     top_p: float | None = Field(None, gt=0, le=1)
     repetition_penalty: float | None = Field(None, gt=0)
     max_frames: int | None = Field(None, ge=1)
-    ignore_eos: bool | None = None
+    ignore_eos: StrictBool | None = None
     seed: int | None = None
 
 
@@ -174,11 +175,11 @@ class ChatCompletionRequest(_Strict):
     stop: list[str] | None = None
     stop_token_ids: list[int] | None = None
     n: int = Field(1, ge=1)
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    ignore_eos: bool | None = None
-    use_audio_in_video: bool = False
+    ignore_eos: StrictBool | None = None
+    use_audio_in_video: StrictBool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None
     max_audio_frames: int | None = Field(None, ge=1)
     talker: TalkerParams | None = None
@@ -227,7 +228,7 @@ class SpeechRequest(_Strict):
     voice: str = "Ethan"
     response_format: AudioFormat = "wav"
     speed: float = 1.0
-    stream: bool = False
+    stream: StrictBool = False
 
     @field_validator("speed")
     @classmethod
@@ -263,9 +264,13 @@ def talker_sampling_params(req: ChatCompletionRequest, defaults: dict) -> Talker
     return _build(TalkerSamplingParams, {**defaults, **given})
 
 
-def resolve_voice(voice: str, voices: Iterable[str], param: str = "audio.voice") -> str:
-    """The checkpoint's speaker name (lower case) for `voice`, matched case-insensitively."""
+def resolve_voice(voice: str, voices: Iterable[str], param: str = "audio.voice",
+                  asked_by: str | None = "modalities") -> str:
+    """The checkpoint's speaker name (lower case) for `voice`, matched case-insensitively. No voices: the
+    checkpoint has no audio output, and asking for audio (`asked_by`) is the error."""
     known = sorted(v.lower() for v in voices)
+    if not known:
+        raise bad_request(NO_AUDIO_OUTPUT, asked_by)
     if voice.lower() not in known:
         raise bad_request(f"{param}: unknown voice {voice!r}; available: {', '.join(known)}", param)
     return voice.lower()
