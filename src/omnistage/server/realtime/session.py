@@ -26,7 +26,7 @@ from omnistage.server.realtime.conversation import Conversation, Item, Part, dec
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.response import Emit, Response, new_response, play
-from omnistage.server.realtime.settings import SessionSettings, TurnDetection, session_object, updated
+from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.serving import EngineClient, start_request
 
@@ -53,7 +53,7 @@ class RealtimeSession:
     def __init__(self, ctx: SessionContext, emit: Emit) -> None:
         self.ctx, self._send = ctx, emit
         self.id = new_id("sess")
-        self.settings = updated(SessionSettings(), {}, ctx.voices, ctx.model_name)  # the voice as spelt here
+        self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
         self.response: Response | None = None
         self.closed = False
