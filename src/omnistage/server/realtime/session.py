@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -28,10 +27,8 @@ from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.response import Emit, Response, new_response, play
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
+from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 from omnistage.server.serving import EngineClient, start_request
-
-if TYPE_CHECKING:
-    from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
 
