@@ -311,6 +311,17 @@ def test_bad_events_keep_the_session(rt_server):
                 assert error.type == "error" and error.event_id.startswith("event_")
                 got = (error.error.event_id, error.error.param, error.error.code)
                 assert got == (event["event_id"], param, code), error
+            await conn.input_audio_buffer.append(audio=b64(silence(300)))
+            await conn.input_audio_buffer.clear()
+            assert (await conn.recv()).type == "input_audio_buffer.cleared"
+            await conn.input_audio_buffer.commit()  # cleared: nothing to commit
+            assert (await conn.recv()).error.code == "input_audio_buffer_commit_empty"
+            await conn.conversation.item.create(item={**text_item("Gone soon."), "id": "item_gone"})
+            await until(conn, "conversation.item.done")
+            await conn.conversation.item.delete(item_id="item_gone")
+            assert (await conn.recv()).type == "conversation.item.deleted"
+            await conn.conversation.item.retrieve(item_id="item_gone")
+            assert (await conn.recv()).error.code == "item_not_found"
             await conn.send({"type": "input_audio_buffer.append", "audio": b64(silence(5000))})
             await conn.input_audio_buffer.commit()
             assert (await conn.recv()).type == "input_audio_buffer.committed"
