@@ -61,3 +61,24 @@ def test_audio_asks_are_400s(http, route, body, param):
     assert r.status_code == 400
     assert r.json()["error"] == {"message": NO_AUDIO_OUTPUT, "type": "invalid_request_error", "param": param,
                                  "code": None}
+
+
+def test_realtime_session_is_text_only(http):
+    with http.websocket_connect("/v1/realtime") as ws:
+        created = ws.receive_json()
+        assert created["type"] == "session.created" and created["session"]["output_modalities"] == ["text"]
+        ws.send_json({"type": "session.update", "event_id": "e1",
+                      "session": {"output_modalities": ["audio"]}})
+        error = ws.receive_json()["error"]
+        assert (error["message"], error["param"], error["event_id"]) == (NO_AUDIO_OUTPUT,
+                                                                         "session.output_modalities", "e1")
+        ws.send_json({"type": "session.update", "session": {"audio": {"input": {"turn_detection": None}}}})
+        assert ws.receive_json()["type"] == "session.updated"
+        item = {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hi"}]}
+        ws.send_json({"type": "conversation.item.create", "item": item})
+        ws.send_json({"type": "response.create", "response": {"max_output_tokens": 3}})
+        events = [ws.receive_json()]
+        while events[-1]["type"] != "response.done":
+            events.append(ws.receive_json())
+        assert sum(e["type"] == "response.output_text.delta" for e in events) == 3
+        assert events[-1]["response"]["usage"]["output_tokens"] == 3
