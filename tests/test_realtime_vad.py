@@ -65,7 +65,7 @@ def test_batched_equals_sequential_silero(engine, silero_model, monkeypatch):
     windows = [[w[i:i + 512] for i in range(0, w.size - 511, 512)] for w in map(to_16k, clips)]
     steps = []
     step = VadEngine._step
-    monkeypatch.setattr(VadEngine, "_step", lambda self, m: steps.append(len(self._pending)) or step(self, m))
+    monkeypatch.setattr(VadEngine, "_step", lambda self, m, tick: steps.append(len(self._pending)) or step(self, m, tick))
 
     async def submit(*streams_windows):
         return await asyncio.gather(*[engine.submit(_Stream(), ws) for ws in streams_windows])
@@ -147,7 +147,7 @@ def test_idle_sessions_share_calls(engine, monkeypatch):
     """64 sessions streaming silence in 20 ms appends at real time: about one model call per 32 ms."""
     steps = []
     step = VadEngine._step
-    monkeypatch.setattr(VadEngine, "_step", lambda self, m: steps.append(len(self._pending)) or step(self, m))
+    monkeypatch.setattr(VadEngine, "_step", lambda self, m, tick: steps.append(len(self._pending)) or step(self, m, tick))
     chunk = np.zeros(480, np.int16)
 
     async def session(det):
@@ -166,11 +166,11 @@ def test_a_failed_call_fails_its_feeds_only(monkeypatch):
     eng = VadEngine()
     step, calls = VadEngine._step, []
 
-    def failing_once(self, model):
+    def failing_once(self, model, tick):
         calls.append(1)
         if len(calls) == 1:
             raise RuntimeError("boom")
-        return step(self, model)
+        return step(self, model, tick)
 
     monkeypatch.setattr(VadEngine, "_step", failing_once)
 

@@ -29,7 +29,7 @@ STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
 # window, but no window waits longer than MAX_WAIT_S: N real-time sessions cost ~1 call per 32 ms, and a lone
 # one (or sessions sending faster than real time) waits not at all.
 MAX_WAIT_S = WINDOW / RATE
-ACTIVE_S = 2 * WINDOW / RATE
+ACTIVE_S = 0.25  # longer than a client's usual append (20-200 ms), so sessions in real time count as fed lately
 NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
 
 
@@ -50,7 +50,7 @@ class TurnEvent:
     audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     windows: list[np.ndarray]
     future: asyncio.Future
@@ -133,8 +133,10 @@ class VadEngine:
 
         model = load_silero_vad()._model  # the stateless core: (context + window, state) -> (prob, state)
         while self._gather():
+            with self._cond:
+                tick = {stream.jobs[0] for stream in self._pending}  # NOTE: later arrivals wait for the next tick
             try:
-                while self._step(model):
+                while self._step(model, tick):
                     pass
             except Exception as e:  # NOTE: fail the feeds waiting now; the worker lives on for later ones
                 logger.exception("server VAD step failed")
@@ -166,10 +168,10 @@ class VadEngine:
                     self._cond.wait()
             return False
 
-    def _step(self, model: torch.jit.ScriptModule) -> bool:
-        """One batched call on the oldest pending window of up to max_batch streams; False if none pends."""
+    def _step(self, model: torch.jit.ScriptModule, tick: set[_Job]) -> bool:
+        """One batched call on the next window of up to max_batch of the tick's jobs; False when they are done."""
         with self._cond:
-            batch = [(s, s.jobs[0]) for s in list(self._pending)[:self.max_batch]]
+            batch = [(s, s.jobs[0]) for s in self._pending if s.jobs[0] in tick][:self.max_batch]
             if not batch:
                 return False
             x = torch.stack([torch.cat([s.context, torch.from_numpy(j.windows[len(j.probs)])])
