@@ -10,6 +10,7 @@ tiny preset (800 frames, 104 rows) and a tail of 150."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from pathlib import Path
@@ -164,3 +165,41 @@ def test_open_request_needs_a_user_message_last() -> None:
     with pytest.raises(ValueError, match="needs a user message last"):
         omni().engine.open_request("x", [{"role": "system", "content": "s"}], want_audio=False, voice=None,
                                    sampling=SAMPLING, talker_sampling=None, emit=lambda d: None)
+
+
+def test_async_streaming_prompt_equals_generate() -> None:
+    from omnistage.entrypoints.async_omni import AsyncOmni
+    from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+
+    d = tiny_checkpoint("tiny")
+    engine = AsyncOmni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu"), device="cpu")
+    sp, tp, audio = SamplingParams(**SAMPLING), TalkerSamplingParams(**TALKER), speech()[:9 * 16000]
+
+    async def collect(deltas) -> ChatResult:
+        out = ChatResult()
+        async for delta in deltas:
+            out.add(delta)
+        return out
+
+    async def main() -> tuple[ChatResult, ChatResult, int]:
+        stream = await engine.open_request("a", user(), sp, tp, "Ethan")
+        for at in range(0, len(audio), 4800):
+            await stream.append_audio(audio[at:at + 4800])
+        got = await collect(stream.close())
+        content = [{"type": "text", "text": "Answer me."}, {"type": "audio", "audio": audio}]
+        want = await collect(engine.generate("b", [*HISTORY, {"role": "user", "content": content}], sp, tp, "Ethan"))
+        left = await engine.open_request("c", user(), sp, tp, "Ethan")  # abandoned: aborted before close
+        await left.append_audio(audio)
+        await left.abort()
+        return got, want, engine.admission.requests
+
+    try:
+        got, want, waiting = asyncio.run(main())
+        assert_same(got, want)
+        assert waiting == 0 and engine.admission.tokens == 0
+        deadline = time.monotonic() + 10
+        while engine.engine.thinker.num_active and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.engine.thinker.blocks.stats()["kv_blocks_used"] == 0
+    finally:
+        engine.shutdown()
