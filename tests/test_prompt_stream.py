@@ -105,8 +105,8 @@ def test_streamed_speech_equals_whole_clip() -> None:
                                                                                 (prefix + 104, 104, 800)]
     # close: only the tail (150 frames -> 20 rows) and the template's end
     assert last.closed and not last.restart and last.keep == prefix + 208 and last.audio.shape[1] == 150
-    assert len(last.input_ids) == 20 + len(omni().engine.processor.tokenizer("<|audio_end|><|im_end|>\n"
-                                                                            "<|im_start|>assistant\n")["input_ids"])
+    end = omni().engine.processor.tokenizer("<|audio_end|><|im_end|>\n<|im_start|>assistant\n")["input_ids"]
+    assert len(last.input_ids) == 20 + len(end)
 
 
 def test_tail_without_a_whole_chunk_is_encoded_after_its_window() -> None:
@@ -127,12 +127,12 @@ def test_louder_end_rewinds_and_stays_exact() -> None:
 
 def test_rising_maximum_while_speaking_rewinds_early() -> None:
     audio = speech().copy()
-    audio[140000:200000] *= 2.5  # the second window is louder: the first, sent before it, is sent again with it
+    audio[140000:200000] *= 2.5  # a louder second window: the first, sent before it, is sent again with it
     out, stream, sent, _ = streamed(user(), audio)
     assert_same(out, whole(user(), audio))
     prefix = len(stream.prefix.input_ids)
-    assert [(p.keep, len(p.input_ids), p.closed) for p in sent] == [(prefix, 104, False), (prefix, 208, False),
-                                                                    (prefix + 208, 26, True)]
+    assert [(p.keep, len(p.input_ids), p.closed) for p in sent] == [
+        (prefix, 104, False), (prefix, 208, False), (prefix + 208, 26, True)]
 
 
 def test_history_audio_and_short_turn() -> None:
@@ -187,7 +187,8 @@ def test_async_streaming_prompt_equals_generate() -> None:
             await stream.append_audio(audio[at:at + 4800])
         got = await collect(stream.close())
         content = [{"type": "text", "text": "Answer me."}, {"type": "audio", "audio": audio}]
-        want = await collect(engine.generate("b", [*HISTORY, {"role": "user", "content": content}], sp, tp, "Ethan"))
+        messages = [*HISTORY, {"role": "user", "content": content}]
+        want = await collect(engine.generate("b", messages, sp, tp, "Ethan"))
         left = await engine.open_request("c", user(), sp, tp, "Ethan")  # abandoned: aborted before close
         await left.append_audio(audio)
         await left.abort()

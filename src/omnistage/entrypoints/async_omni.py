@@ -104,7 +104,8 @@ class AsyncOmni:
                 self.engine.abort(request_id)
 
     async def open_request(self, request_id: str, messages: list[dict], sampling: SamplingParams,
-                           talker_sampling: TalkerSamplingParams | None, voice: str | None) -> StreamingPrompt:
+                           talker_sampling: TalkerSamplingParams | None, voice: str | None
+                           ) -> StreamingPrompt:
         """A request whose last user message ends with an audio still arriving (see `StreamingPrompt`):
         the prompt before it is prefilled now, the audio's encoder windows as they complete. It takes its
         admission place now. Raises EngineOverloaded or ValueError (refused)."""

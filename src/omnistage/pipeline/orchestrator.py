@@ -10,13 +10,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from omnistage.config import DeployConfig, default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
-from omnistage.media import MediaPolicy, to_conversation
+from omnistage.media import MediaPolicy
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import OutputDelta
@@ -25,7 +24,7 @@ from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.input_checks import check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
 from omnistage.pipeline.placement.router import Router
-from omnistage.pipeline.prompt_stream import PromptStream, prefix_prompt, with_audio
+from omnistage.pipeline.prompt_stream import PromptStream, open_stream
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
@@ -124,23 +123,15 @@ class Orchestrator:
 
     def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,
                      sampling: Any, talker_sampling: Any, emit: Callable[[OutputDelta], None]) -> PromptStream:
-        """A request whose last user message ends with an audio that is still arriving
-        (`PromptStream.append_audio`, then `close`): the prompt before it is prefilled now, the audio's
-        encoder windows as they complete. Refused as `make_request` refuses; `abort` as any request."""
-        messages = check_text(messages)
-        longest = max((len(a) for a in to_conversation(messages, self.processor.media_policy).audios), default=0)
-        # NOTE: a stand-in longer than every earlier audio: each is padded as if the streamed one were the longest
-        stand_in = np.zeros(longest + 16000, np.float32)
-        req = self.make_request(request_id, with_audio(messages, stand_in), None, want_audio=want_audio,
-                                voice=voice, sampling=sampling, talker_sampling=talker_sampling, emit=emit)
-        prefix = prefix_prompt(self.processor, req.prompt) if self.placement != "ray" else None
-        whole = lambda m: self.make_request(request_id, m, None, want_audio=want_audio, voice=voice, sampling=sampling,
-                                            talker_sampling=talker_sampling, emit=emit).prompt
-        stream = PromptStream(self.processor, req, messages, prefix, self.stages.thinker.add, whole, self.add_request)
-        if prefix is not None:
-            req.prompt, req.growing = prefix, True
-            self.add_request(req)
-        return stream
+        """A request whose last user message ends with an audio still arriving (`PromptStream.append_audio`,
+        then `close`): what comes before it is prefilled now, the audio's encoder windows as they complete.
+        Refused as `make_request` refuses; aborted as any request."""
+        def make(m: list[dict]) -> Request:
+            return self.make_request(request_id, m, None, want_audio=want_audio, voice=voice,
+                                     sampling=sampling, talker_sampling=talker_sampling, emit=emit)
+
+        return open_stream(self.processor, check_text(messages), make, self.stages.thinker.add,
+                           self.add_request, early=self.placement != "ray")
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and

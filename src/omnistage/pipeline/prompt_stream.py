@@ -20,14 +20,16 @@ import numpy as np
 import torch
 
 from omnistage.engine.request import Request
+from omnistage.media import to_conversation
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
 from omnistage.pipeline.thinker.growth import PromptPiece
 
+Messages = list[dict[str, Any]]
 _REFLECT = 200  # n_fft // 2: a frame centred at sample 160 t reads samples up to 160 t + 200
 
 
-def with_audio(messages: list[dict[str, Any]], audio: np.ndarray) -> list[dict[str, Any]]:
+def with_audio(messages: Messages, audio: np.ndarray) -> Messages:
     """`messages` with `audio` appended as the last content part of the last (user) message."""
     if not messages or messages[-1].get("role") != "user":
         raise ValueError("messages: a streamed audio needs a user message last")
@@ -46,14 +48,14 @@ def chunk_width(lens: list[int], chunk: int) -> int:
 class PromptStream:
     """Built by `Orchestrator.open_request`; `append_audio` and `close` from one thread at a time."""
 
-    def __init__(self, processor: PromptProcessor, req: Request, messages: list[dict[str, Any]],
-                 prefix: PromptInputs | None, send: Callable[[PromptPiece], None],
-                 whole: Callable[[list[dict[str, Any]]], PromptInputs], submit: Callable[[Request], None]) -> None:
+    def __init__(self, processor: PromptProcessor, req: Request, messages: Messages,
+                 prefix: PromptInputs | None, send: Callable[[PromptPiece], None], make: Callable[[Messages], Request],
+                 submit: Callable[[Request], None]) -> None:
         """`prefix`: the prompt before the streamed audio's placeholders, already sent with `req` (None:
-        nothing is sent before `close`). `send(piece)` hands a piece to the thinker; `whole(messages)` is the
-        ordinary path's prompt (with its checks); `submit(req)` adds a request that was not sent early."""
+        nothing is sent before `close`). `send(piece)` hands a piece to the thinker; `make(messages)` is the
+        ordinary path's request (with its checks); `submit(req)` adds a request that was not sent early."""
         self.processor, self.req, self.messages, self.prefix = processor, req, messages, prefix
-        self.send, self.whole, self.submit = send, whole, submit
+        self.send, self.make, self.submit = send, make, submit
         self.fe = processor.feature_extractor
         self.window = processor.n_window_infer
         self.rows = audio_token_count(self.window, processor.n_window)  # encoder rows of a complete window
@@ -105,7 +107,7 @@ class PromptStream:
     def close(self) -> None:
         """The audio is complete: the whole prompt, as the ordinary path makes it from the messages with the
         whole audio, replaces what differs of what was sent; the request then decodes as any other."""
-        prompt = self.whole(with_audio(self.messages, self.audio()))
+        prompt = self.make(with_audio(self.messages, self.audio())).prompt
         self.req.prompt = prompt
         if self.prefix is None:
             self.submit(self.req)
@@ -141,7 +143,8 @@ class PromptStream:
         lens, before = prompt.audio_feature_lens, p.audio_feature_lens
         if lens[:-1] != before:
             return False
-        if before and chunk_width(before, self.chunk) != chunk_width(lens, self.chunk) and min(before) < self.chunk:
+        width = chunk_width(lens, self.chunk)
+        if before and min(before) < self.chunk and chunk_width(before, self.chunk) != width:
             return False
         return all(torch.equal(prompt.input_features[i, :, :n], p.input_features[i, :, :n])
                    for i, n in enumerate(before))
@@ -158,8 +161,23 @@ def prefix_prompt(processor: PromptProcessor, prompt: PromptInputs) -> PromptInp
     cut = len(ids) - ids[::-1].index(pad) - count
     out = copy.copy(prompt)
     out.input_ids = ids[:cut]
-    if len(prompt.audio_feature_lens) == 1:
-        out.input_features = out.feature_attention_mask = None
-    else:
-        out.input_features, out.feature_attention_mask = prompt.input_features[:-1], prompt.feature_attention_mask[:-1]
+    out.input_features, out.feature_attention_mask = (
+        (None, None) if len(prompt.audio_feature_lens) == 1
+        else (prompt.input_features[:-1], prompt.feature_attention_mask[:-1]))
     return out
+
+
+def open_stream(processor: PromptProcessor, messages: Messages, make: Callable[[Messages], Request],
+                send: Callable[[PromptPiece], None], submit: Callable[[Request], None], early: bool
+                ) -> PromptStream:
+    """`Orchestrator.open_request`: the request made with a silent stand-in for the streamed audio (so it is
+    refused now as the whole one would be), its prefix sent now when `early` (local placement)."""
+    audios = to_conversation(messages, processor.media_policy).audios
+    # NOTE: a stand-in longer than every earlier audio: each is padded as if the streamed one were the longest
+    req = make(with_audio(messages, np.zeros(max(map(len, audios), default=0) + 16000, np.float32)))
+    prefix = prefix_prompt(processor, req.prompt) if early else None
+    stream = PromptStream(processor, req, messages, prefix, send, make, submit)
+    if prefix is not None:
+        req.prompt, req.growing = prefix, True
+        submit(req)
+    return stream

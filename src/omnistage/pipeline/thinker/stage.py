@@ -138,7 +138,8 @@ class ThinkerStage(AsyncOutputStep):
             seq = self.waiting[0]
             # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
             # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
-            if (seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)) or not self._room(seq, seq.prompt_len):
+            split = seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)
+            if split or not self._room(seq, seq.prompt_len):
                 break
             seq.req.mark("thinker_start")
             self.running.append(self.waiting.popleft())
