@@ -135,16 +135,24 @@ def test_rising_maximum_while_speaking_rewinds_early() -> None:
         (prefix, 104, False), (prefix, 208, False), (prefix + 208, 26, True)]
 
 
-def test_history_audio_and_short_turn() -> None:
-    history = [*HISTORY, {"role": "user", "content": [{"type": "audio", "audio": speech()[:40000]}, "Hi."]},
-               {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
-    out, stream, sent, prefilled = streamed(history, speech()[:9 * 16000])  # one window + a tail
-    assert_same(out, whole(history, speech()[:9 * 16000]))
-    assert prefilled == len(stream.prefix.input_ids) + 104 and not sent[-1].restart
-    # shorter than one conv chunk: alone its chunk would be padded less than in the whole prompt's call
-    out, _, sent, _ = streamed(history, speech()[:8000])
-    assert_same(out, whole(history, speech()[:8000]))
-    assert sent[-1].restart
+def history(samples: int) -> list[dict]:
+    return [*HISTORY, {"role": "user", "content": [{"type": "audio", "audio": speech()[-samples:]}, "Hi."]},
+            {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
+
+
+@pytest.mark.parametrize("earlier", [40000, 12 * 16000])  # shorter / longer than the streamed audio
+def test_earlier_audio_in_the_prompt(earlier: int) -> None:
+    out, stream, sent, prefilled = streamed(history(earlier), speech()[:9 * 16000])  # one window + a tail
+    assert_same(out, whole(history(earlier), speech()[:9 * 16000]))
+    prefix = len(stream.prefix.input_ids)
+    assert prefilled == prefix + 104 and sent[-1].keep == prefix + 104 and not sent[-1].restart
+
+
+def test_turn_shorter_than_a_conv_chunk_restarts() -> None:
+    # alone its chunk would be padded less than in the whole prompt's call: the request starts over
+    out, _, sent, _ = streamed(history(40000), speech()[:8000])
+    assert_same(out, whole(history(40000), speech()[:8000]))
+    assert [p.restart for p in sent] == [True]
 
 
 def test_abort_of_an_open_request_frees_its_kv_blocks() -> None:

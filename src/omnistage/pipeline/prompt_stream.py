@@ -26,7 +26,6 @@ from omnistage.models.qwen3_omni.rope_index import audio_token_count
 from omnistage.pipeline.thinker.growth import PromptPiece
 
 Messages = list[dict[str, Any]]
-_REFLECT = 200  # n_fft // 2: a frame centred at sample 160 t reads samples up to 160 t + 200
 
 
 def with_audio(messages: Messages, audio: np.ndarray) -> Messages:
@@ -63,6 +62,7 @@ class PromptStream:
         self.pcm: list[np.ndarray] = []
         self.samples = 0
         self.sent: list[torch.Tensor] = []  # features of each window the thinker has, in order
+        self.closed = False
 
     @property
     def early_rows(self) -> int:
@@ -71,10 +71,14 @@ class PromptStream:
 
     def append_audio(self, pcm: np.ndarray) -> None:
         """16 kHz mono float samples; sends the windows this completes."""
+        if self.closed:
+            raise ValueError("audio appended to a closed streaming prompt")
         self.pcm.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
         self.samples += self.pcm[-1].shape[0]
+        # NOTE: frame t (of samples // hop) reads samples up to hop t + n_fft / 2: past the end, it reads the
+        # clip's reflection, so it is final only once they have arrived.
         hop = self.fe.hop_length
-        final = min(self.samples // hop, max(0, (self.samples - _REFLECT) // hop + 1))
+        final = min(self.samples // hop, max(0, (self.samples - self.fe.n_fft // 2) // hop + 1))
         if self.prefix is None or final // self.window <= len(self.sent):
             return
         feats = self.processor.audio_features([self.audio()])[0][0]
@@ -106,7 +110,13 @@ class PromptStream:
 
     def close(self) -> None:
         """The audio is complete: the whole prompt, as the ordinary path makes it from the messages with the
-        whole audio, replaces what differs of what was sent; the request then decodes as any other."""
+        whole audio, replaces what differs of what was sent; the request then decodes as any other.
+        Raises ValueError as `make_request` would (the caller then aborts the request)."""
+        if self.closed:
+            raise ValueError("this streaming prompt was closed already")
+        self.closed = True
+        if self.req.aborted:
+            return
         prompt = self.make(with_audio(self.messages, self.audio())).prompt
         self.req.prompt = prompt
         if self.prefix is None:
@@ -115,9 +125,7 @@ class PromptStream:
         lens = prompt.audio_feature_lens
         feats = prompt.input_features[-1, :, :lens[-1]]
         if not self._prefix_exact(prompt):
-            self.sent = []
-            self.send(PromptPiece(self.req, 0, [], closed=True, restart=True))
-            return
+            return self._restart()
         k0, w, cut = self._first_changed(feats), self.window, len(self.prefix.input_ids)
         start, skip = k0 * w, 0
         tail = lens[-1] - start
@@ -126,13 +134,15 @@ class PromptStream:
         if 0 < tail < self.chunk and k0 > 0:
             start, skip = start - w, self.rows
         if tail > 0 and chunk_width([lens[-1] - start], self.chunk) != chunk_width(lens, self.chunk):
-            self.sent = []
-            self.send(PromptPiece(self.req, 0, [], closed=True, restart=True))
-            return
+            return self._restart()
         keep = cut + self.rows * k0
         self.sent = self.sent[:k0]
         self.send(PromptPiece(self.req, keep, prompt.input_ids[keep:],
                               feats[:, start:].contiguous() if tail > 0 else None, skip, closed=True))
+
+    def _restart(self) -> None:
+        self.sent = []
+        self.send(PromptPiece(self.req, 0, [], closed=True, restart=True))
 
     def _prefix_exact(self, prompt: PromptInputs) -> bool:
         """The rows sent at open are the whole prompt's: same ids, same features of the earlier audios, each
