@@ -54,7 +54,7 @@ def whole(messages: list[dict], audio: np.ndarray) -> ChatResult:
                        talker_sampling=TALKER)
 
 
-def streamed(messages: list[dict], audio: np.ndarray, before_close=None):
+def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | None = None):
     """Opens, appends `audio` in pieces of 37 ms, 100 ms, 1.3 s (cycling), waits until the thinker has
     prefilled what was sent, closes; returns (result, stream, pieces sent, rows prefilled before close)."""
     o = omni().engine
@@ -69,9 +69,7 @@ def streamed(messages: list[dict], audio: np.ndarray, before_close=None):
         stream.append_audio(audio[at:at + n])
         at, i = at + n, i + 1
     prefilled = wait_prefilled(stream)
-    if before_close is not None:
-        before_close(stream)
-    stream.close()
+    stream.close(close_with)
     o.wait([stream.req.request_id])
     return out, stream, sent, prefilled
 
@@ -153,6 +151,17 @@ def test_turn_shorter_than_a_conv_chunk_restarts() -> None:
     out, _, sent, _ = streamed(history(40000), speech()[:8000])
     assert_same(out, whole(history(40000), speech()[:8000]))
     assert [p.restart for p in sent] == [True]
+
+
+def test_close_with_the_exact_clip() -> None:
+    """What was appended differs from the clip the conversation holds in its last samples (as a streaming
+    resampler's would): close with the clip itself gives the clip's answer."""
+    audio = speech()[:9 * 16000]
+    appended = audio.copy()
+    appended[-20:] = 0
+    out, stream, sent, _ = streamed(user(), appended, close_with=audio)
+    assert_same(out, whole(user(), audio))
+    assert sent[-1].keep == len(stream.prefix.input_ids) + 104
 
 
 def test_abort_of_an_open_request_frees_its_kv_blocks() -> None:

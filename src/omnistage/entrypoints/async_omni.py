@@ -159,9 +159,9 @@ class StreamingPrompt:
         """16 kHz mono float samples (the feature extraction of a completed window runs off the loop)."""
         await asyncio.get_running_loop().run_in_executor(None, self.stream.append_audio, pcm16k)
 
-    async def close(self) -> AsyncIterator[OutputDelta]:
-        """The audio is complete: the request's deltas. Raises ValueError (e.g. the prompt got too long for
-        the KV cache or the admission's token limit) before the first."""
+    async def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]:
+        """The audio is complete (`audio`: see `PromptStream.close`): the request's deltas. Raises
+        ValueError (e.g. the prompt got too long for the KV cache or the admission's limit) before the first."""
         if self.closed:
             raise RuntimeError("this streaming prompt was closed already")
         self.closed = True
@@ -170,7 +170,7 @@ class StreamingPrompt:
         loop = asyncio.get_running_loop()
 
         async def start() -> int:
-            await loop.run_in_executor(None, self.stream.close)
+            await loop.run_in_executor(None, self.stream.close, audio)
             n = len(self.stream.req.prompt.input_ids)
             self.omni.admission.add_tokens(n)
             return n

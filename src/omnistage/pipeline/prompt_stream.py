@@ -108,15 +108,18 @@ class PromptStream:
     def _pad(self) -> int:
         return self.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
 
-    def close(self) -> None:
-        """The audio is complete: the whole prompt, as the ordinary path makes it from the messages with the
-        whole audio, replaces what differs of what was sent; the request then decodes as any other.
+    def close(self, audio: np.ndarray | None = None) -> None:
+        """The audio is complete (`audio`: the whole clip, if it is not exactly what was appended, e.g. a
+        resampler's last samples): the whole prompt, as the ordinary path makes it from the messages with the
+        whole clip, replaces what differs of what was sent; the request then decodes as any other.
         Raises ValueError as `make_request` would (the caller then aborts the request)."""
         if self.closed:
             raise ValueError("this streaming prompt was closed already")
         self.closed = True
         if self.req.aborted:
             return
+        if audio is not None:
+            self.pcm = [np.asarray(audio, dtype=np.float32).reshape(-1)]
         prompt = self.make(with_audio(self.messages, self.audio())).prompt
         self.req.prompt = prompt
         if self.prefix is None:
