@@ -164,6 +164,22 @@ def test_close_with_the_exact_clip() -> None:
     assert sent[-1].keep == len(stream.prefix.input_ids) + 104
 
 
+def test_beside_another_request() -> None:
+    """An ordinary request decoding while the open one prefills its windows: both answers as alone."""
+    o, audio = omni().engine, speech()[:9 * 16000]
+    other_messages = user("Count: one, two, three.")
+    alone = omni().chat(other_messages, sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER)
+    other = ChatResult()
+    req = o.make_request("other", other_messages, None, want_audio=True, voice="Ethan",
+                         sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER, emit=other.add)
+    o.add_request(req)
+    out, _, _, _ = streamed(user(), audio)
+    o.wait(["other"])
+    assert_same(out, whole(user(), audio))
+    assert other.token_ids == alone.token_ids and np.array_equal(other.codes, alone.codes)
+    assert np.array_equal(other.audio, alone.audio)
+
+
 def test_abort_of_an_open_request_frees_its_kv_blocks() -> None:
     o = omni().engine
     stream = o.open_request("abandoned", user(), want_audio=True, voice="Ethan", sampling=SAMPLING,
