@@ -96,7 +96,12 @@ def assert_same(a: ChatResult, b: ChatResult) -> None:
 def test_streamed_speech_equals_whole_clip() -> None:
     audio, thinker = speech(), omni().engine.thinker
     prompts, to_talker = [], thinker.to_talker
-    thinker.to_talker = lambda chunk: (chunk.prompt is not None and prompts.append(chunk.prompt), to_talker(chunk))
+    def spy(chunk) -> None:
+        if chunk.prompt is not None:
+            prompts.append(chunk.prompt)
+        to_talker(chunk)
+
+    thinker.to_talker = spy
     try:
         out, stream, sent, prefilled = streamed(user(), audio)
         assert_same(out, whole(user(), audio))
@@ -181,8 +186,8 @@ def test_beside_another_request() -> None:
     other_messages = user("Count: one, two, three.")
     alone = omni().chat(other_messages, sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER)
     other = ChatResult()
-    req = o.make_request("other", other_messages, None, want_audio=True, voice="Ethan",
-                         sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER, emit=other.add)
+    req = o.make_request("other", other_messages, None, want_audio=True, voice="Ethan", emit=other.add,
+                         sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER)
     o.add_request(req)
     out, _, _, _ = streamed(user(), audio)
     o.wait(["other"])
