@@ -86,10 +86,11 @@ def wait_prefilled(stream, timeout: float = 30.0) -> int:
     raise AssertionError("the thinker did not prefill the pieces sent")
 
 
-def assert_same(a: ChatResult, b: ChatResult) -> None:
+def assert_same(a: ChatResult, b: ChatResult, atol: float = 0.0) -> None:
+    """`atol`: for audio decoded beside other requests (code2wav's rounding follows its batch)."""
     assert a.token_ids == b.token_ids and len(a.token_ids) == SAMPLING["max_tokens"]
     assert np.array_equal(a.codes, b.codes) and a.codes.shape[1] >= 2
-    assert a.audio.shape == b.audio.shape and np.array_equal(a.audio, b.audio)
+    assert a.audio.shape == b.audio.shape and np.allclose(a.audio, b.audio, rtol=0, atol=atol)
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
@@ -181,7 +182,8 @@ def test_close_with_the_exact_clip() -> None:
 
 
 def test_beside_another_request() -> None:
-    """An ordinary request decoding while the open one prefills its windows: both answers as alone."""
+    """An ordinary request decoding while the open one prefills its windows: both answers as alone (audio
+    within 1e-5: code2wav may decode the two in one batch)."""
     o, audio = omni().engine, speech()[:9 * 16000]
     other_messages = user("Count: one, two, three.")
     alone = omni().chat(other_messages, sampling={"temperature": 0, "max_tokens": 12}, talker_sampling=TALKER)
@@ -191,9 +193,9 @@ def test_beside_another_request() -> None:
     o.add_request(req)
     out, _, _, _ = streamed(user(), audio)
     o.wait(["other"])
-    assert_same(out, whole(user(), audio))
+    assert_same(out, whole(user(), audio), atol=1e-5)
     assert other.token_ids == alone.token_ids and np.array_equal(other.codes, alone.codes)
-    assert np.array_equal(other.audio, alone.audio)
+    assert np.allclose(other.audio, alone.audio, rtol=0, atol=1e-5)
 
 
 def test_abort_of_an_open_request_frees_its_kv_blocks() -> None:
