@@ -27,6 +27,7 @@ class Request:
     emit: Callable[[OutputDelta], None]
     voice: str = "Ethan"
     want_audio: bool = False
+    growing: bool = False  # its prompt grows at its end (`PromptPiece`s) until a closing piece
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None
     aborted: bool = False

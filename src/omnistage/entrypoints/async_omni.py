@@ -13,9 +13,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineOverloaded
 from omnistage.pipeline.orchestrator import Orchestrator
+from omnistage.pipeline.prompt_stream import PromptStream
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 
@@ -65,20 +68,29 @@ class AsyncOmni:
         Raises EngineOverloaded (admission full) or ValueError (refused) before the first item."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
-
-        def emit(delta: OutputDelta) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, delta)
-
         self.admission.enter()
-        tokens, waiting_for = 0, {"text", "audio"} if talker_sampling is not None else {"text"}
-        finished = False
-        try:
+
+        async def start() -> int:
             req = await loop.run_in_executor(None, lambda: self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
-                sampling=sampling, talker_sampling=talker_sampling, emit=emit, use_audio_in_video=use_audio_in_video))
+                sampling=sampling, talker_sampling=talker_sampling, emit=_emitter(loop, queue),
+                use_audio_in_video=use_audio_in_video))
             self.admission.add_tokens(len(req.prompt.input_ids))
-            tokens = len(req.prompt.input_ids)
             self.engine.add_request(req)
+            return len(req.prompt.input_ids)
+
+        async for delta in self._follow(request_id, queue, start, talker_sampling is not None):
+            yield delta
+
+    async def _follow(self, request_id: str, queue: asyncio.Queue[OutputDelta], start: Any, audio: bool
+                      ) -> AsyncIterator[OutputDelta]:
+        """The request's deltas once `await start()` (its prompt tokens) has sent it; it holds its
+        admission place (taken by the caller) until its first outputs, and is aborted if the consumer stops
+        early."""
+        tokens, waiting_for = 0, {"text", "audio"} if audio else {"text"}
+        finished = False
+        try:
+            tokens = await start()
             while not finished:
                 delta = await queue.get()
                 finished = delta.finished
@@ -90,6 +102,24 @@ class AsyncOmni:
                 self.admission.leave(tokens)
             if not finished:
                 self.engine.abort(request_id)
+
+    async def open_request(self, request_id: str, messages: list[dict], sampling: SamplingParams,
+                           talker_sampling: TalkerSamplingParams | None, voice: str | None
+                           ) -> StreamingPrompt:
+        """A request whose last user message ends with an audio still arriving (see `StreamingPrompt`):
+        the prompt before it is prefilled now, the audio's encoder windows as they complete. It takes its
+        admission place now. Raises EngineOverloaded or ValueError (refused)."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
+        self.admission.enter()
+        try:
+            stream = await loop.run_in_executor(None, lambda: self.engine.open_request(
+                request_id, messages, want_audio=talker_sampling is not None, voice=voice, sampling=sampling,
+                talker_sampling=talker_sampling, emit=_emitter(loop, queue)))
+        except BaseException:
+            self.admission.leave(0)
+            raise
+        return StreamingPrompt(self, stream, queue, talker_sampling is not None)
 
     def chat(self, messages: list[dict] | None = None, *, prompt_token_ids: list[int] | None = None,
              modalities: list[str] = ("text", "audio"), voice: str = "Ethan", sampling: Any = None,
@@ -113,6 +143,55 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+
+
+class StreamingPrompt:
+    """An open request: `await append_audio(pcm)` (each awaited before the next), then `close()`, an async
+    iterator of its deltas as `AsyncOmni.generate`'s; `abort()` (or leaving `close()` early) frees it."""
+
+    def __init__(self, omni: AsyncOmni, stream: PromptStream, queue: asyncio.Queue[OutputDelta],
+                 audio: bool) -> None:
+        self.omni, self.stream, self.queue, self.audio = omni, stream, queue, audio
+        self.request_id = stream.req.request_id
+        self.closed = False
+
+    async def append_audio(self, pcm16k: np.ndarray) -> None:
+        """16 kHz mono float samples (the feature extraction of a completed window runs off the loop)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.append_audio, pcm16k)
+
+    async def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]:
+        """The audio is complete (`audio`: see `PromptStream.close`): the request's deltas. Raises
+        ValueError (e.g. the prompt got too long for the KV cache or the admission's limit) before the first."""
+        if self.closed:
+            raise RuntimeError("this streaming prompt was closed already")
+        self.closed = True
+        if self.stream.req.aborted:
+            return
+        loop = asyncio.get_running_loop()
+
+        async def start() -> int:
+            await loop.run_in_executor(None, self.stream.close, audio)
+            n = len(self.stream.req.prompt.input_ids)
+            self.omni.admission.add_tokens(n)
+            return n
+
+        async for delta in self.omni._follow(self.request_id, self.queue, start, self.audio):
+            yield delta
+
+    async def abort(self) -> None:
+        """Frees what the request holds in every stage (an open one: its prefilled KV blocks)."""
+        if not self.closed:
+            self.closed = True
+            self.omni.admission.leave(0)
+        self.stream.req.aborted = True  # NOTE: also when it was never sent (`close` then sends nothing)
+        self.omni.engine.abort(self.request_id)
+
+
+def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[OutputDelta]) -> Any:
+    def emit(delta: OutputDelta) -> None:
+        loop.call_soon_threadsafe(queue.put_nowait, delta)
+
+    return emit
 
 
 def _produced(delta: OutputDelta, waiting_for: set[str]) -> bool:

@@ -24,6 +24,7 @@ from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.input_checks import check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
 from omnistage.pipeline.placement.router import Router
+from omnistage.pipeline.prompt_stream import PromptStream, open_stream
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
@@ -41,7 +42,8 @@ class Orchestrator:
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
-        if (placement or self.deploy.placement) == "ray":
+        self.placement = placement or self.deploy.placement
+        if self.placement == "ray":
             from omnistage.pipeline.placement.ray import build_ray_stages
 
             self.stages = build_ray_stages(*args, lookup=self.requests.get)
@@ -121,6 +123,18 @@ class Orchestrator:
             raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
                              f"({talker.kv_capacity} rows)")
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+
+    def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,
+                     sampling: Any, talker_sampling: Any, emit: Callable[[OutputDelta], None]) -> PromptStream:
+        """A request whose last user message ends with an audio still arriving (`PromptStream.append_audio`,
+        then `close`): what comes before it is prefilled now, the audio's encoder windows as they complete.
+        Refused as `make_request` refuses; aborted as any request."""
+        def make(m: list[dict]) -> Request:
+            return self.make_request(request_id, m, None, want_audio=want_audio, voice=voice,
+                                     sampling=sampling, talker_sampling=talker_sampling, emit=emit)
+
+        return open_stream(self.processor, check_text(messages), make, self.stages.thinker.add,
+                           self.add_request, early=self.placement != "ray")
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and

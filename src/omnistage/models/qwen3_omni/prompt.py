@@ -53,6 +53,7 @@ class PromptProcessor:
         self.visual = VisualProcessor(str(model_dir))
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
+        self.n_window_infer = thinker.get("audio_config", {}).get("n_window_infer", 800)  # mel frames
         self.position_id_per_seconds = thinker.get("position_id_per_seconds", 13)
 
     def __call__(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False) -> PromptInputs:
@@ -90,12 +91,16 @@ class PromptProcessor:
         out.input_ids = self.tokenizer("".join(expanded))["input_ids"]
         return out
 
+    def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """16 kHz clips -> log-mel features `[n, mels, frames]` (padded to the longest) and their mask."""
+        feats = self.feature_extractor(audios, sampling_rate=16000, padding=True, truncation=False,
+                                       return_attention_mask=True, return_tensors="pt")
+        return feats["input_features"], feats["attention_mask"]
+
     def _audio(self, audios: list[np.ndarray], out: PromptInputs) -> list[int]:
         if not audios:
             return []
-        feats = self.feature_extractor(audios, sampling_rate=16000, padding=True, truncation=False,
-                                       return_attention_mask=True, return_tensors="pt")
-        out.input_features, out.feature_attention_mask = feats["input_features"], feats["attention_mask"]
+        out.input_features, out.feature_attention_mask = self.audio_features(audios)
         return [audio_token_count(n, self.n_window) for n in out.audio_feature_lens]
 
     def _images(self, images: list[Any], options: list[dict[str, Any]], out: PromptInputs) -> list[int]:

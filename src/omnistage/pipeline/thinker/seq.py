@@ -21,6 +21,7 @@ class ThinkerSeq:
     mm_mask: torch.Tensor  # [L] bool, on the host
     detok: IncrementalDetokenizer
     has_mm: bool = False  # the prompt has multimodal placeholders (the talker needs their hidden rows)
+    open: bool = False  # the prompt may still grow (`PromptPiece`): prefill what is there, never sample
     num_computed: int = 0
     num_sampled: int = 0  # tokens launched (with asynchronous output, one step ahead of `output_ids`)
     slot: int = -1  # its row of the stage's `PenaltyTable` while running
@@ -42,7 +43,12 @@ class ThinkerSeq:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.open or self.num_computed < self.prompt_len
+
+    @property
+    def rows_ready(self) -> int:
+        """Prompt rows not yet prefilled (an open prompt may have none for now)."""
+        return self.prompt_len - self.num_computed
 
     def append(self, token: int, eos_ids: set[int]) -> tuple[str, bool, bool]:
         """A sampled token -> (new text to stream, stopped, done). Text that could be the start of a stop

@@ -21,6 +21,7 @@ from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
+from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
@@ -58,7 +59,7 @@ class ThinkerStage(AsyncOutputStep):
                                       config.talker_config.accept_hidden_layer)
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
-        self.inbox: Inbox[Request] = Inbox()
+        self.inbox: Inbox[Request | PromptPiece] = Inbox()
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
@@ -67,8 +68,10 @@ class ThinkerStage(AsyncOutputStep):
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
 
-    def add(self, req: Request) -> None:
-        self.inbox.put(req)
+    def add(self, item: Request | PromptPiece) -> None:
+        """A request, or more prompt for a growing one (applied in arrival order, after the requests
+        that arrived with it)."""
+        self.inbox.put(item)
 
     def abort(self, request_id: str) -> None:
         for seq in [*self.waiting, *self.running]:
@@ -82,15 +85,44 @@ class ThinkerStage(AsyncOutputStep):
     def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
         media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype)[0]
-        return new_seq(self.thinker, req, media, self.tokenizer, self.rope)
+        seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
+        seq.open = req.growing
+        return seq
+
+    def _grow(self, piece: PromptPiece) -> None:
+        seq = next((s for s in [*self.waiting, *self.running] if s.req is piece.request), None)
+        if seq is None:  # aborted (or failed) meanwhile
+            return
+        if piece.restart:
+            self._release(seq)
+            piece.request.growing = False
+            self.waiting.append(self._admit(piece.request))
+        else:
+            extend(self.thinker, seq, piece, self.tokenizer)
+
+    def _room(self, seq: ThinkerSeq, n: int) -> bool:
+        """KV blocks for `n` more prompt rows (and, once the prompt is whole, its max_tokens) and, once
+        whole, a penalty row: a growing prompt takes them as it grows."""
+        total = seq.num_computed + n + (0 if seq.open else seq.req.sampling.max_tokens)
+        if not self.blocks.can_allocate(seq.req.request_id, total) or (
+                seq.slot < 0 and not seq.open and not self.penalties.num_free):
+            return False
+        self.blocks.allocate(seq.req.request_id, total)
+        if seq.slot < 0 and not seq.open:
+            seq.slot = self.penalties.acquire(seq.prompt_ids)
+        return True
 
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
-        reqs = [r for r in self.inbox.drain() if not r.aborted]
+        items = self.inbox.drain()
+        reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
         media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype)
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
+        for piece in items:
+            if isinstance(piece, PromptPiece) and not piece.request.aborted:
+                self.faults.run(piece.request, self._grow, piece)
         # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
         batch = [(s, 1) for s in self.running
                  if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
@@ -98,19 +130,17 @@ class ThinkerStage(AsyncOutputStep):
         for seq in [s for s in self.running if s.in_prefill]:
             if budget <= 0 or len(batch) >= self.max_batch_size:
                 return batch
-            n = min(seq.prompt_len - seq.num_computed, budget)
-            batch.append((seq, n))
-            budget -= n
-        while self.waiting and budget > 0 and len(batch) < self.max_batch_size and self.penalties.num_free:
+            n = min(seq.rows_ready, budget)
+            if n > 0 and self._room(seq, n):
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
-            total = seq.prompt_len + seq.req.sampling.max_tokens
             # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
             # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
-            if not self.blocks.can_allocate(seq.req.request_id, total) or (
-                    seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)):
+            split = seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)
+            if split or not self._room(seq, seq.prompt_len):
                 break
-            self.blocks.allocate(seq.req.request_id, total)
-            seq.slot = self.penalties.acquire(seq.prompt_ids)
             seq.req.mark("thinker_start")
             self.running.append(self.waiting.popleft())
             n = min(seq.prompt_len, budget)

@@ -1,0 +1,196 @@
+"""A request whose last audio arrives while the user speaks (`Orchestrator.open_request`).
+
+The audio encoder attends within windows of `n_window_infer` mel frames, so a window's encoder rows depend
+only on its own features. Each window that is complete (no frame of it reaches the clip's end) is sent to
+the thinker as soon as it is, there encoded and prefilled (`PromptPiece`). Its features are those of the
+audio so far, and they are a guess: Whisper's log-mel floor is the clip's global maximum - 8, so a louder
+frame later changes every clamped value before it. So each time, and at `close` with the whole prompt as
+the processor makes it for the ordinary path, the features already sent are compared bit for bit; the
+thinker rewinds to the first window that differs and gets it again. What is kept is thus exactly what the
+whole clip gives; close costs at most the last window, the tail and the chat template's end when nothing
+moved."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+
+from omnistage.engine.request import Request
+from omnistage.media import to_conversation
+from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
+from omnistage.models.qwen3_omni.rope_index import audio_token_count
+from omnistage.pipeline.thinker.growth import PromptPiece
+
+Messages = list[dict[str, Any]]
+
+
+def with_audio(messages: Messages, audio: np.ndarray) -> Messages:
+    """`messages` with `audio` appended as the last content part of the last (user) message."""
+    if not messages or messages[-1].get("role") != "user":
+        raise ValueError("messages: a streamed audio needs a user message last")
+    last = dict(messages[-1])
+    content = last.get("content", [])
+    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
+    last["content"] = [*parts, {"type": "audio", "audio": audio}]
+    return [*messages[:-1], last]
+
+
+def chunk_width(lens: list[int], chunk: int) -> int:
+    """The width the audio tower pads every conv chunk of one call to (its longest chunk)."""
+    return max(min(n, chunk) for n in lens)
+
+
+class PromptStream:
+    """Built by `Orchestrator.open_request`; `append_audio` and `close` from one thread at a time."""
+
+    def __init__(self, processor: PromptProcessor, req: Request, messages: Messages,
+                 prefix: PromptInputs | None, send: Callable[[PromptPiece], None], make: Callable[[Messages], Request],
+                 submit: Callable[[Request], None]) -> None:
+        """`prefix`: the prompt before the streamed audio's placeholders, already sent with `req` (None:
+        nothing is sent before `close`). `send(piece)` hands a piece to the thinker; `make(messages)` is the
+        ordinary path's request (with its checks); `submit(req)` adds a request that was not sent early."""
+        self.processor, self.req, self.messages, self.prefix = processor, req, messages, prefix
+        self.send, self.make, self.submit = send, make, submit
+        self.fe = processor.feature_extractor
+        self.window = processor.n_window_infer
+        self.rows = audio_token_count(self.window, processor.n_window)  # encoder rows of a complete window
+        self.chunk = 2 * processor.n_window  # mel frames of one conv chunk
+        self.pcm: list[np.ndarray] = []
+        self.samples = 0
+        self.sent: list[torch.Tensor] = []  # features of each window the thinker has, in order
+        self.closed = False
+
+    @property
+    def early_rows(self) -> int:
+        """Prompt rows sent before close (prefix and complete windows)."""
+        return 0 if self.prefix is None else len(self.prefix.input_ids) + self.rows * len(self.sent)
+
+    def append_audio(self, pcm: np.ndarray) -> None:
+        """16 kHz mono float samples; sends the windows this completes."""
+        if self.closed:
+            raise ValueError("audio appended to a closed streaming prompt")
+        self.pcm.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
+        self.samples += self.pcm[-1].shape[0]
+        # NOTE: frame t (of samples // hop) reads samples up to hop t + n_fft / 2: past the end, it reads the
+        # clip's reflection, so it is final only once they have arrived.
+        hop = self.fe.hop_length
+        final = min(self.samples // hop, max(0, (self.samples - self.fe.n_fft // 2) // hop + 1))
+        if self.prefix is None or final // self.window <= len(self.sent):
+            return
+        feats = self.processor.audio_features([self.audio()])[0][0]
+        self._sync(feats, final // self.window)
+
+    def audio(self) -> np.ndarray:
+        if len(self.pcm) > 1:
+            self.pcm = [np.concatenate(self.pcm)]
+        return self.pcm[0] if self.pcm else np.zeros(0, np.float32)
+
+    def _first_changed(self, feats: torch.Tensor) -> int:
+        """Index of the first window sent whose features differ from `feats`' (len(sent) if none)."""
+        w = self.window
+        return next((k for k, f in enumerate(self.sent) if not torch.equal(f, feats[:, k * w:(k + 1) * w])),
+                    len(self.sent))
+
+    def _sync(self, feats: torch.Tensor, windows: int) -> None:
+        """Sends windows from the first that changed up to `windows` (complete ones) of `feats`."""
+        k0, w = self._first_changed(feats), self.window
+        self.sent = self.sent[:k0] + [feats[:, k * w:(k + 1) * w].clone() for k in range(k0, windows)]
+        if k0 < windows:
+            keep = len(self.prefix.input_ids) + self.rows * k0
+            self.send(PromptPiece(self.req, keep, [self._pad] * (self.rows * (windows - k0)),
+                                  feats[:, k0 * w:windows * w].contiguous()))
+
+    @property
+    def _pad(self) -> int:
+        return self.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
+
+    def close(self, audio: np.ndarray | None = None) -> None:
+        """The audio is complete (`audio`: the whole clip, if it is not exactly what was appended, e.g. a
+        resampler's last samples): the whole prompt, as the ordinary path makes it from the messages with the
+        whole clip, replaces what differs of what was sent; the request then decodes as any other.
+        Raises ValueError as `make_request` would (the caller then aborts the request)."""
+        if self.closed:
+            raise ValueError("this streaming prompt was closed already")
+        self.closed = True
+        if self.req.aborted:
+            return
+        if audio is not None:
+            self.pcm = [np.asarray(audio, dtype=np.float32).reshape(-1)]
+        prompt = self.make(with_audio(self.messages, self.audio())).prompt
+        self.req.prompt = prompt
+        if self.prefix is None:
+            self.submit(self.req)
+            return
+        lens = prompt.audio_feature_lens
+        feats = prompt.input_features[-1, :, :lens[-1]]
+        if not self._prefix_exact(prompt):
+            return self._restart()
+        k0, w, cut = self._first_changed(feats), self.window, len(self.prefix.input_ids)
+        start, skip = k0 * w, 0
+        tail = lens[-1] - start
+        # NOTE: the tower pads every conv chunk of a call to its longest: a tail with no whole chunk is
+        # encoded after the window before it, as in the whole clip, and that window's rows are dropped.
+        if 0 < tail < self.chunk and k0 > 0:
+            start, skip = start - w, self.rows
+        if tail > 0 and chunk_width([lens[-1] - start], self.chunk) != chunk_width(lens, self.chunk):
+            return self._restart()
+        keep = cut + self.rows * k0
+        self.sent = self.sent[:k0]
+        self.send(PromptPiece(self.req, keep, prompt.input_ids[keep:],
+                              feats[:, start:].contiguous() if tail > 0 else None, skip, closed=True))
+
+    def _restart(self) -> None:
+        self.sent = []
+        self.send(PromptPiece(self.req, 0, [], closed=True, restart=True))
+
+    def _prefix_exact(self, prompt: PromptInputs) -> bool:
+        """The rows sent at open are the whole prompt's: same ids, same features of the earlier audios, each
+        padded as in the whole prompt's encoder call."""
+        p, cut = self.prefix, len(self.prefix.input_ids)
+        if prompt.input_ids[:cut] != p.input_ids:
+            return False
+        lens, before = prompt.audio_feature_lens, p.audio_feature_lens
+        if lens[:-1] != before:
+            return False
+        width = chunk_width(lens, self.chunk)
+        if before and min(before) < self.chunk and chunk_width(before, self.chunk) != width:
+            return False
+        return all(torch.equal(prompt.input_features[i, :, :n], p.input_features[i, :, :n])
+                   for i, n in enumerate(before))
+
+
+def prefix_prompt(processor: PromptProcessor, prompt: PromptInputs) -> PromptInputs | None:
+    """The part of `prompt` (made with a stand-in for the streamed audio, its last) before the streamed
+    audio's placeholders; None when it has images or videos (3-D positions: the prompt is sent whole)."""
+    if prompt.image_grid_thw is not None or prompt.video_grid_thw is not None:
+        return None
+    pad = processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
+    count = audio_token_count(prompt.audio_feature_lens[-1], processor.n_window)
+    ids = prompt.input_ids
+    cut = len(ids) - ids[::-1].index(pad) - count
+    out = copy.copy(prompt)
+    out.input_ids = ids[:cut]
+    out.input_features, out.feature_attention_mask = (
+        (None, None) if len(prompt.audio_feature_lens) == 1
+        else (prompt.input_features[:-1], prompt.feature_attention_mask[:-1]))
+    return out
+
+
+def open_stream(processor: PromptProcessor, messages: Messages, make: Callable[[Messages], Request],
+                send: Callable[[PromptPiece], None], submit: Callable[[Request], None], early: bool
+                ) -> PromptStream:
+    """`Orchestrator.open_request`: the request made with a silent stand-in for the streamed audio (so it is
+    refused now as the whole one would be), its prefix sent now when `early` (local placement)."""
+    audios = to_conversation(messages, processor.media_policy).audios
+    # NOTE: a stand-in longer than every earlier audio: each is padded as if the streamed one were the longest
+    req = make(with_audio(messages, np.zeros(max(map(len, audios), default=0) + 16000, np.float32)))
+    prefix = prefix_prompt(processor, req.prompt) if early else None
+    stream = PromptStream(processor, req, messages, prefix, send, make, submit)
+    if prefix is not None:
+        req.prompt, req.growing = prefix, True
+        submit(req)
+    return stream
