@@ -26,6 +26,7 @@ from omnistage.server.errors import (
     model_not_found,
 )
 from omnistage.server.metrics import ServerMetrics, install_metrics
+from omnistage.server.page import install_page
 from omnistage.server.protocol import (
     ChatCompletionRequest,
     resolve_voice,
@@ -63,6 +64,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     metrics = metrics or ServerMetrics()
     install_metrics(app, metrics, getattr(engine, "stats", None), getattr(engine, "admission", None))
     install_speech(app, engine, model_name, deploy, voices, metrics)
+    install_page(app)
     started = int(time.time())
 
     @app.get("/health")
