@@ -11,6 +11,7 @@ import pytest
 from fastapi import FastAPI, WebSocket
 from fastapi.testclient import TestClient
 
+from omnistage.server.errors import install_api_key
 from omnistage.server.page import install_page
 from omnistage.server.page.subprotocol import KEY_PREFIX, REALTIME
 from serve_process import KEY, MODEL, samples
@@ -62,6 +63,7 @@ def test_page_talks_to_the_model(servers, tmp_path):
 
 def test_subprotocol_key_becomes_the_authorization_header():
     app = FastAPI()
+    install_api_key(app, KEY)
     install_page(app)
 
     @app.websocket("/v1/realtime")
@@ -70,14 +72,14 @@ def test_subprotocol_key_becomes_the_authorization_header():
         await ws.send_json({"authorization": ws.headers.get("authorization")})
         await ws.close()
 
-    client = TestClient(app)
+    client, bearer = TestClient(app), {"authorization": f"Bearer {KEY}"}
     with client.websocket_connect("/v1/realtime", subprotocols=[REALTIME, KEY_PREFIX + KEY]) as ws:
-        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", {"authorization": f"Bearer {KEY}"})
-    with client.websocket_connect("/v1/realtime", subprotocols=[REALTIME, KEY_PREFIX + KEY],
-                                  headers={"Authorization": "Bearer sent"}) as ws:  # the header wins
-        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", {"authorization": "Bearer sent"})
-    with client.websocket_connect("/v1/realtime") as ws:
-        assert (ws.accepted_subprotocol, ws.receive_json()) == (None, {"authorization": None})
-    page = client.get("/")
+        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", bearer)
+    with client.websocket_connect("/v1/realtime", subprotocols=[REALTIME, KEY_PREFIX + "wrong"],
+                                  headers=dict(bearer)) as ws:  # the header wins
+        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", bearer)
+    with client.websocket_connect("/v1/realtime", headers=dict(bearer)) as ws:
+        assert (ws.accepted_subprotocol, ws.receive_json()) == (None, bearer)
+    page = client.get("/")  # no key needed
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
     assert "/v1/realtime" in page.text and len(page.content) < 12_000
