@@ -25,6 +25,7 @@ from omnistage.server.errors import (
     install_error_handlers,
     model_not_found,
 )
+from omnistage.media import MediaPolicy
 from omnistage.server.metrics import ServerMetrics, install_metrics
 from omnistage.server.page import install_page
 from omnistage.server.protocol import (
@@ -33,6 +34,8 @@ from omnistage.server.protocol import (
     talker_sampling_params,
     thinker_sampling_params,
 )
+from omnistage.server.realtime.endpoint import install_realtime
+from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.responses import SSE_DONE, ResponseHead, audio_delta, model_list, sse
 from omnistage.server.serving import (
     EngineClient,
@@ -53,9 +56,11 @@ MAX_BODY_BYTES = 64 << 20  # a request body (base64 media included)
 def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voices: Sequence[str],
                api_key: str | None = None, metrics: ServerMetrics | None = None, *,
                max_body_bytes: int = MAX_BODY_BYTES,
-               model_info: dict | None = None) -> FastAPI:
+               model_info: dict | None = None,
+               max_audio_seconds: float = MediaPolicy.max_audio_seconds) -> FastAPI:
     """`model_info`: extra fields of the model's /v1/models entry. Media parts go to the engine as sent: it
-    decodes them under its media policy (a MediaError there is a 400)."""
+    decodes them under its media policy (a MediaError there is a 400); `max_audio_seconds` (the policy's)
+    bounds a realtime session's input audio buffer. `app.state.realtime_vad` is to be closed at shutdown."""
     app = FastAPI(title="omnistage")
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -65,6 +70,9 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     metrics = metrics or ServerMetrics()
     install_metrics(app, metrics, getattr(engine, "stats", None), getattr(engine, "admission", None))
     install_speech(app, engine, model_name, deploy, voices, metrics)
+    transcripts = TranscriptStore()
+    app.state.realtime_vad = install_realtime(app, engine, model_name, deploy, voices, transcripts,
+                                              max_audio_seconds)
     started = int(time.time())
 
     @app.get("/health")
@@ -91,7 +99,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     async def chat(req: ChatCompletionRequest, request: Request) -> Response | dict:
         if req.model not in (None, model_name):
             raise model_not_found(req.model)
-        messages = _messages(req)
+        messages = _messages(req, transcripts)
         sampling = thinker_sampling_params(req, deploy.stages.thinker.sampling)
         talker = talker_sampling_params(req, deploy.stages.talker.sampling) if req.wants_audio else None
         voice = resolve_voice(req.audio.voice, voices) if req.audio else None
@@ -99,39 +107,49 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
         deltas = await until_disconnect(request, start_request(engine, head.id, messages, sampling, talker,
                                                                voice, req.use_audio_in_video))
         if req.stream:
-            body = _stream(req, head, deltas, engine, clock, metrics)
+            body = _stream(req, head, deltas, engine, clock, metrics, transcripts)
             return StreamingResponse(body, media_type="text/event-stream")
-        return await until_disconnect(request, _collect(req, head, deltas, engine, clock, metrics))
+        return await until_disconnect(request, _collect(req, head, deltas, engine, clock, metrics, transcripts))
 
     return app
 
 
-def _messages(req: ChatCompletionRequest) -> list[dict]:
-    # NOTE: resolving `audio: {id}` history needs a transcript store; until then the client sends the text.
+def _messages(req: ChatCompletionRequest, transcripts: TranscriptStore) -> list[dict]:
+    """The messages as the engine takes them; an assistant turn given as `audio: {id}` (an earlier answer's
+    audio id) without content becomes that answer's transcript."""
+    messages = [m.model_dump(exclude_none=True, exclude={"audio"}) for m in req.messages]
     for i, m in enumerate(req.messages):
         if m.audio is not None and not m.content:
-            raise bad_request(f"messages[{i}].audio: audio references are not stored; send the transcript as "
-                              "content", f"messages[{i}].audio")
-    return [m.model_dump(exclude_none=True, exclude={"audio"}) for m in req.messages]
+            transcript = transcripts.get(m.audio.id)
+            if transcript is None:
+                raise bad_request(f"messages[{i}].audio.id: no audio answer {m.audio.id!r} is stored (unknown or "
+                                  "expired)", f"messages[{i}].audio.id")
+            messages[i]["content"] = [{"type": "text", "text": transcript}]
+    return messages
 
 
 async def _collect(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncIterator[OutputDelta],
-                   engine: EngineClient, clock: RequestClock, metrics: ServerMetrics) -> dict:
+                   engine: EngineClient, clock: RequestClock, metrics: ServerMetrics,
+                   transcripts: TranscriptStore) -> dict:
     text, audio, last = await collect(deltas, engine, head.id, clock)
     clock.report(metrics)
     wav = encode(audio, req.audio.format) if req.audio else None
+    if req.audio:
+        transcripts.put(head.audio_id, text, head.audio_expires_at)
     return head.completion(text, last.finish_reason or "stop", last.usage or Usage(), wav)
 
 
 async def _stream(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncIterator[OutputDelta],
-                  engine: EngineClient, clock: RequestClock, metrics: ServerMetrics) -> AsyncIterator[str]:
+                  engine: EngineClient, clock: RequestClock, metrics: ServerMetrics,
+                  transcripts: TranscriptStore) -> AsyncIterator[str]:
     encoder = AudioStreamEncoder(req.audio.format) if req.audio else None
     audio_id: str | None = head.audio_id
-    last = OutputDelta(head.id)
+    last, text = OutputDelta(head.id), []
     try:
         yield sse(head.chunk({"role": "assistant", "content": ""}))
         async for last in deltas:
             clock.saw(last)
+            text.append(last.text)
             if last.text:
                 yield sse(head.chunk({"content": last.text}))
             if encoder is not None and last.audio is not None and last.audio.size:
@@ -139,6 +157,7 @@ async def _stream(req: ChatCompletionRequest, head: ResponseHead, deltas: AsyncI
                 audio_id = None
         check_finished(last)
         if encoder is not None:
+            transcripts.put(head.audio_id, "".join(text), head.audio_expires_at)
             yield sse(head.audio_done_chunk())
         yield sse(head.chunk({}, last.finish_reason or "stop"))
         if req.stream_options and req.stream_options.include_usage:

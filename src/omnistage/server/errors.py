@@ -105,7 +105,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
 
 def install_api_key(app: FastAPI, api_key: str | None) -> None:
-    """Every /v1 route needs `Authorization: Bearer <api_key>` (no check when api_key is None)."""
+    """Every /v1 route needs `Authorization: Bearer <api_key>` (no check when api_key is None); a WebSocket
+    (/v1/realtime) without it is refused at the handshake with the same 401."""
     if api_key:
         app.add_middleware(_APIKeyMiddleware, expected=api_key.encode())
 
@@ -120,7 +121,7 @@ class _APIKeyMiddleware:
         self.app, self.expected = app, expected
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] in ("http", "websocket") and scope["path"].startswith("/v1"):
             scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # NOTE: compare_digest takes the same time wherever the first wrong byte is.
             if not (secrets.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"):

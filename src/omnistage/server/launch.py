@@ -134,7 +134,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
-                     max_body_bytes=args.max_body_bytes)
+                     max_body_bytes=args.max_body_bytes, max_audio_seconds=policy.max_audio_seconds)
     return app, engine
 
 
@@ -146,6 +146,7 @@ def serve(args: argparse.Namespace) -> None:
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     finally:
+        app.state.realtime_vad.close()
         engine.shutdown()
 
 

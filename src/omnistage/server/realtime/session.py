@@ -1,0 +1,283 @@
+"""One realtime session's state machine: its settings, input audio buffer (with turn detection), conversation
+and the response playing. Client events are handled one at a time, in order (`handle`); a response plays as
+its own task (response.py), so appends, cancels and barge-in are handled while it plays.
+
+Turns with server_vad: speech_started (cancels a playing response when interrupt_response) and
+speech_stopped from the session's TurnDetector; speech_stopped commits the audio from speech start (the
+detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
+the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
+commit then commits those).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from omnistage.config import DeployConfig
+from omnistage.outputs import SAMPLE_RATE, OutputDelta
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.server.realtime import events as ev
+from omnistage.server.realtime.conversation import Conversation, Item, Part, chat_messages, decode_pcm, item_from
+from omnistage.server.realtime.events import RealtimeError, new_id, server_event
+from omnistage.server.realtime.response import Emit, Response, play
+from omnistage.server.realtime.settings import Resolved, SessionSettings, TurnDetection, session_object, updated
+from omnistage.server.realtime.transcripts import TranscriptStore
+from omnistage.server.serving import EngineClient, start_request
+
+if TYPE_CHECKING:
+    from omnistage.server.realtime.vad import TurnDetector, TurnEvent
+
+KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
+MIN_COMMIT_MS = 100  # as OpenAI: a shorter buffer cannot be committed
+
+
+@dataclass
+class SessionContext:
+    """What every session of a server shares."""
+
+    engine: EngineClient
+    model_name: str
+    deploy: DeployConfig
+    voices: Sequence[str]
+    transcripts: TranscriptStore
+    detector: Callable[[TurnDetection], TurnDetector]  # a new turn detector with these settings
+    max_buffer_bytes: int  # the input audio buffer's bound (the server's --max-audio-seconds)
+
+
+class RealtimeSession:
+    def __init__(self, ctx: SessionContext, emit: Emit) -> None:
+        self.ctx, self._send = ctx, emit
+        self.id = new_id("sess")
+        self.settings = updated(SessionSettings(), {}, ctx.voices, ctx.model_name)  # the voice as spelt here
+        self.conversation = Conversation()
+        self.response: Response | None = None
+        self.closed = False
+        self._buffer = bytearray()
+        self._origin = 0  # the session sample (all audio appended) of the buffer's first sample
+        self._samples = 0  # samples appended in this session
+        self._detector: TurnDetector | None = None
+        self._detector_base = 0  # the session sample where the detector's clock starts
+        self._speech: tuple[str, int] | None = None  # (item id, start sample) of the speech going on
+
+    async def start(self) -> None:
+        self._new_detector()
+        await self._emit(server_event("session.created", session=self._session()))
+
+    async def handle(self, data: str | bytes) -> None:
+        """One client event; whatever is wrong with it becomes an `error` event (echoing its event_id)."""
+        event, event_id, err = ev.parse_event(data)
+        try:
+            if err is not None:
+                raise err
+            await _HANDLERS[type(event)](self, event)
+        except RealtimeError as e:
+            await self._emit(ev.error_event(e, event_id))
+
+    async def close(self) -> None:
+        """The socket is gone: stop the response (aborting its request), send nothing more."""
+        self.closed = True
+        await self._cancel("client_cancelled")
+
+    # -- input audio --------------------------------------------------------------------------------------
+
+    async def _append(self, event: ev.AudioAppend) -> None:
+        pcm = decode_pcm(event.audio, "audio")
+        if len(self._buffer) + len(pcm) > self.ctx.max_buffer_bytes:
+            seconds = self.ctx.max_buffer_bytes / 2 / SAMPLE_RATE
+            raise RealtimeError(f"audio: the input audio buffer would hold more than this server's {seconds:g} s "
+                                "(commit or clear it); this append was not added.", "audio",
+                                "input_audio_buffer_full")
+        self._buffer += pcm
+        self._samples += len(pcm) // 2
+        if self._detector is None:
+            return
+        for turn in await self._detector.feed(np.frombuffer(pcm, "<i2")):
+            await self._on_turn(turn)
+        if self._speech is None:
+            keep = (self.settings.audio.input.turn_detection.prefix_padding_ms + KEEP_MS) * SAMPLE_RATE // 1000
+            self._drop_until(self._samples - keep)
+
+    async def _on_turn(self, turn: TurnEvent) -> None:
+        at = self._detector_base + turn.audio_ms * SAMPLE_RATE // 1000
+        vad = self.settings.audio.input.turn_detection
+        if turn.type == "speech_started":
+            self._speech = (new_id("item"), max(at, self._origin))
+            await self._emit(server_event("input_audio_buffer.speech_started", audio_start_ms=turn.audio_ms,
+                                          item_id=self._speech[0]))
+            if vad.interrupt_response:
+                await self._cancel("turn_detected")
+        elif self._speech is not None:
+            item_id, start = self._speech
+            self._speech = None
+            await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
+                                          item_id=item_id))
+            self._drop_until(start)
+            end = max(at - self._origin, 0) * 2
+            pcm = bytes(self._buffer[:end])
+            self._drop_until(self._origin + end // 2)
+            await self._commit(pcm, item_id)
+            if vad.create_response and not self._playing():
+                await self._respond(ev.ResponseParams())
+
+    def _drop_until(self, sample: int) -> None:
+        if sample > self._origin:
+            del self._buffer[:(sample - self._origin) * 2]
+            self._origin = sample
+
+    async def _commit_event(self, event: ev.AudioCommit) -> None:
+        if len(self._buffer) < MIN_COMMIT_MS * SAMPLE_RATE // 1000 * 2:
+            ms = len(self._buffer) // 2 * 1000 // SAMPLE_RATE
+            raise RealtimeError(f"Error committing input audio buffer: buffer too small. Expected at least "
+                                f"{MIN_COMMIT_MS}ms of audio, but buffer only has {ms}ms of audio.", None,
+                                "input_audio_buffer_commit_empty")
+        item_id = self._speech[0] if self._speech else new_id("item")
+        pcm = bytes(self._buffer)
+        self._reset_buffer()
+        await self._commit(pcm, item_id)
+
+    async def _commit(self, pcm: bytes, item_id: str) -> None:
+        """Committed user audio becomes a conversation item (the next response's prompt holds it)."""
+        item = Item(item_id, "user", [Part("input_audio", pcm=pcm)])
+        previous = self.conversation.add(item)
+        await self._emit(server_event("input_audio_buffer.committed", previous_item_id=previous,
+                                      item_id=item_id))
+        await self._item_added(item, previous)
+
+    async def _clear(self, event: ev.AudioClear) -> None:
+        self._reset_buffer()
+        await self._emit(server_event("input_audio_buffer.cleared"))
+
+    def _reset_buffer(self) -> None:
+        self._buffer, self._origin, self._speech = bytearray(), self._samples, None
+        if self._detector is not None:
+            self._detector.reset()
+
+    def _new_detector(self) -> None:
+        vad = self.settings.audio.input.turn_detection
+        self._detector = None if vad is None else self.ctx.detector(vad)
+        self._detector_base, self._speech = self._samples, None
+
+    # -- session and conversation -------------------------------------------------------------------------
+
+    async def _update(self, event: ev.SessionUpdate) -> None:
+        new = updated(self.settings, event.session, self.ctx.voices, self.ctx.model_name)
+        vad_changed = new.audio.input.turn_detection != self.settings.audio.input.turn_detection
+        self.settings = new
+        if vad_changed:
+            self._new_detector()
+        await self._emit(server_event("session.updated", session=self._session()))
+
+    def _session(self) -> dict:
+        return session_object(self.settings, self.id, self.ctx.model_name)
+
+    async def _create_item(self, event: ev.ItemCreate) -> None:
+        item = item_from(event.item)
+        await self._item_added(item, self.conversation.add(item, event.previous_item_id))
+
+    async def _item_added(self, item: Item, previous: str | None) -> None:
+        for kind in ("conversation.item.added", "conversation.item.done"):
+            await self._emit(server_event(kind, previous_item_id=previous, item=item.api()))
+
+    async def _delete_item(self, event: ev.ItemDelete) -> None:
+        self.conversation.delete(event.item_id)
+        await self._emit(server_event("conversation.item.deleted", item_id=event.item_id))
+
+    async def _retrieve_item(self, event: ev.ItemRetrieve) -> None:
+        item = self.conversation.get(event.item_id)
+        await self._emit(server_event("conversation.item.retrieved", item=item.api()))
+
+    async def _truncate(self, event: ev.ItemTruncate) -> None:
+        """Cut an answer to what the user heard: `audio_end_ms` of its audio and the matching transcript."""
+        item = self.conversation.get(event.item_id)
+        if item.role != "assistant" or event.content_index >= len(item.parts) \
+                or item.parts[event.content_index].type != "output_audio" or not item.audio_samples:
+            raise RealtimeError("content_index: only an assistant item's output_audio (an answer of this "
+                                "session) can be truncated.", "content_index")
+        samples = event.audio_end_ms * SAMPLE_RATE // 1000
+        if samples > item.audio_samples:
+            raise RealtimeError(f"audio_end_ms: {event.audio_end_ms} ms is longer than the item's audio "
+                                f"({item.audio_samples * 1000 // SAMPLE_RATE} ms).", "audio_end_ms")
+        if self.response is not None and self.response.item is item:
+            await self._cancel("client_cancelled")
+        item.truncate(samples)
+        self.ctx.transcripts.put(item.id, item.parts[0].text)
+        await self._emit(server_event("conversation.item.truncated", item_id=item.id,
+                                      content_index=event.content_index, audio_end_ms=event.audio_end_ms))
+
+    # -- responses ----------------------------------------------------------------------------------------
+
+    async def _create_response(self, event: ev.ResponseCreate) -> None:
+        await self._respond(event.response or ev.ResponseParams())
+
+    async def _respond(self, params: ev.ResponseParams) -> None:
+        if self._playing():
+            raise RealtimeError(f"Conversation already has an active response in progress: {self.response.id}. "
+                                "Wait until the response is finished before creating a new one.", None,
+                                "conversation_already_has_active_response")
+        resolved = Resolved(self.settings, params, self.ctx.voices)
+        sampling, talker = resolved.sampling(self.ctx.deploy)
+        items = self.conversation.items if params.input is None else [
+            item_from(item, f"response.input[{i}]") for i, item in enumerate(params.input)]
+        messages = chat_messages(resolved.instructions, items)
+        if not messages:
+            raise RealtimeError("The conversation is empty: add an item or send input before response.create.",
+                                None, "conversation_empty")
+        part = Part("output_audio" if resolved.wants_audio else "output_text")
+        item = Item(new_id("item"), "assistant", [part], status="in_progress")
+        conversation = None if params.conversation == "none" else self.conversation
+        self.response = Response(resolved, item, conversation, params.metadata)
+        await self._emit(server_event("response.created", response=self.response.api()))
+        self._start_response(self.response, messages, sampling, talker)
+
+    def _start_response(self, response: Response, messages: list[dict], sampling: SamplingParams,
+                        talker: TalkerSamplingParams | None) -> None:
+        """The one place a response's prompt (the conversation's messages) becomes an engine request."""
+        voice = response.settings.voice.lower()
+
+        def start() -> Awaitable[AsyncIterator[OutputDelta]]:
+            return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice)
+
+        response.task = asyncio.create_task(self._play(response, start))
+
+    async def _play(self, response: Response, start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
+        await play(response, start, self.ctx.engine.abort, self._emit)
+        if response.audio and response.conversation is not None:
+            self.ctx.transcripts.put(response.item.id, response.item.parts[0].text)
+
+    async def _cancel_event(self, event: ev.ResponseCancel) -> None:
+        if event.response_id is not None and (self.response is None or event.response_id != self.response.id):
+            raise RealtimeError(f"response_id: no response {event.response_id!r} is in progress.", "response_id",
+                                "response_cancel_not_active")
+        if not await self._cancel("client_cancelled"):
+            raise RealtimeError("Cancellation failed: no active response found.", None,
+                                "response_cancel_not_active")
+
+    async def _cancel(self, reason: str) -> bool:
+        """Stops the playing response (its request aborted in every stage, its answer truncated to what was
+        sent) and waits until its response.done is out. False when none is playing."""
+        if not self._playing():
+            return False
+        self.response.cancel_reason = reason
+        self.response.task.cancel()
+        await asyncio.wait([self.response.task])
+        return True
+
+    def _playing(self) -> bool:
+        return self.response is not None and self.response.task is not None and not self.response.task.done()
+
+    async def _emit(self, event: dict) -> None:
+        if not self.closed:
+            await self._send(event)
+
+
+_HANDLERS: dict[type, Callable[[RealtimeSession, ev.ClientEvent], Awaitable[None]]] = {
+    ev.SessionUpdate: RealtimeSession._update, ev.AudioAppend: RealtimeSession._append,
+    ev.AudioCommit: RealtimeSession._commit_event, ev.AudioClear: RealtimeSession._clear,
+    ev.ItemCreate: RealtimeSession._create_item, ev.ItemDelete: RealtimeSession._delete_item,
+    ev.ItemRetrieve: RealtimeSession._retrieve_item, ev.ItemTruncate: RealtimeSession._truncate,
+    ev.ResponseCreate: RealtimeSession._create_response, ev.ResponseCancel: RealtimeSession._cancel_event}

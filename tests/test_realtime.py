@@ -1,0 +1,338 @@
+"""/v1/realtime through the official openai SDK's realtime client, on a real `omnistage serve` (tiny
+checkpoint, --api-key, --max-audio-seconds 6): event sequences, server VAD turns (an espeak-ng clip),
+manual commits, history equal to chat completions (same tokens and codes: same transcript and audio bytes),
+barge-in and response.cancel (aborted in every stage, the answer truncated), bad events, 32 sessions."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import math
+import time
+from importlib.resources import files
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import soundfile as sf
+
+from omnistage.media import resample
+from serve_process import KEY, MODEL, Server, samples
+
+TURN = {"max_output_tokens": 4, "max_audio_frames": 4, "seed": 7}
+MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, **TURN}
+
+
+@pytest.fixture(scope="module")
+def rt_server(tmp_path_factory, tiny_dir):
+    server = Server(tmp_path_factory.mktemp("realtime") / "rt.log", "--api-key", KEY, "--max-audio-seconds", "6")
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
+
+
+def speech_pcm() -> bytes:
+    """The espeak-ng question (16 kHz wav) as 24 kHz s16le."""
+    wav, rate = sf.read(io.BytesIO(files("omnistage.data").joinpath("speech/question_2s.wav").read_bytes()),
+                        dtype="float32")
+    return (np.clip(resample(wav, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
+def silence(ms: int) -> bytes:
+    return bytes(ms * 48)
+
+
+def b64(pcm: bytes) -> str:
+    return base64.b64encode(pcm).decode()
+
+
+def client(server, key: str = KEY) -> openai.AsyncOpenAI:
+    return openai.AsyncOpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+
+
+async def until(conn, last: str, limit: float = 60) -> list:
+    out = []
+    async with asyncio.timeout(limit):
+        while not out or out[-1].type != last:
+            out.append(await conn.recv())
+    return out
+
+
+async def setup(conn, session: dict) -> None:
+    assert (await conn.recv()).type == "session.created"
+    await conn.session.update(session=session)
+    assert (await conn.recv()).type == "session.updated"
+
+
+async def append(conn, pcm: bytes, chunk: int = 9600) -> None:
+    for i in range(0, len(pcm), chunk):
+        await conn.input_audio_buffer.append(audio=b64(pcm[i:i + chunk]))
+
+
+def answer(events: list) -> tuple[str, bytes, object]:
+    """(transcript from the deltas, audio bytes, response.done's response) of one response."""
+    text = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
+    return text, audio, events[-1].response
+
+
+AUDIO_EVENTS = ["response.created", "response.output_item.added", "conversation.item.added",
+                "response.content_part.added", "response.output_audio.done",
+                "response.output_audio_transcript.done", "response.content_part.done",
+                "response.output_item.done", "conversation.item.done", "response.done"]
+
+
+def shape(events: list) -> list[str]:
+    return [e.type for e in events if not e.type.endswith(".delta")]
+
+
+def gauges(server, name: str) -> dict[str, float]:
+    import re
+
+    text = httpx.get(server.url + "/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'{name}\{{stage="(\w+)"\}} (\S+)', text)}
+
+
+def assert_nothing_held(server) -> None:
+    deadline = time.monotonic() + 10
+    held = lambda: [v for n in ("omnistage_stage_requests_active", "omnistage_kv_cache_blocks_in_use")
+                    for v in gauges(server, n).values()]
+    while any(held()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert held() and not any(held())
+
+
+def chat(server, messages: list[dict]) -> dict:
+    body = {"model": MODEL, "messages": messages, "modalities": ["text", "audio"], "audio": {"format": "wav"},
+            "max_tokens": 4, "max_audio_frames": 4, "seed": 7}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {KEY}"},
+                   timeout=60)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def chat_audio(reply: dict) -> tuple[str, bytes]:
+    audio = reply["choices"][0]["message"]["audio"]
+    return audio["transcript"], sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")[0].tobytes()
+
+
+def test_text_item_events(rt_server):
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            first = await conn.recv()
+            assert first.type == "session.created" and first.session.model == MODEL
+            assert first.session.audio.input.turn_detection.type == "server_vad"
+            await conn.session.update(session={**MANUAL, "audio": {**MANUAL["audio"], "output": {"voice": "ETHAN"}}})
+            updated = await conn.recv()
+            assert updated.type == "session.updated" and updated.session.audio.output.voice == "ethan"
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Hello there."}]})
+            added, done = await conn.recv(), await conn.recv()
+            assert (added.type, done.type) == ("conversation.item.added", "conversation.item.done")
+            await conn.response.create()
+            events = await until(conn, "response.done")
+            assert shape(events) == AUDIO_EVENTS
+            text, audio, response = answer(events)
+            assert response.status == "incomplete" and response.status_details.reason == "max_output_tokens"
+            assert len(audio) == 2 * samples(4)
+            assert response.usage.output_tokens == 8 and response.usage.output_token_details.audio_tokens == 4
+            assert response.output[0].content[0].transcript == text and response.output[0].status == "incomplete"
+            done = next(e for e in events if e.type == "response.output_audio_transcript.done")
+            assert done.transcript == text and done.item_id == response.output[0].id
+
+            await conn.response.create(response={"output_modalities": ["text"], "conversation": "none",
+                                                 "max_output_tokens": 3})
+            events = await until(conn, "response.done")
+            assert shape(events) == ["response.created", "response.output_item.added",
+                                     "response.content_part.added", "response.output_text.done",
+                                     "response.content_part.done", "response.output_item.done", "response.done"]
+            deltas = [e for e in events if e.type == "response.output_text.delta"]
+            assert len(deltas) == 3 and events[-1].response.usage.output_tokens == 3
+            assert not any(e.type == "response.output_audio.delta" for e in events)
+
+    asyncio.run(main())
+
+
+def test_manual_commit_history_equals_chat(rt_server):
+    """Two turns (spoken, then typed) through the session, and the same conversation through chat
+    completions: the same transcripts, audio bytes and usage; `audio: {id}` stands for the answer."""
+    pcm = speech_pcm()
+
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, MANUAL)
+            await append(conn, pcm)
+            await conn.input_audio_buffer.commit()
+            committed = await conn.recv()
+            assert committed.type == "input_audio_buffer.committed"
+            assert [(await conn.recv()).type for _ in range(2)] == ["conversation.item.added",
+                                                                     "conversation.item.done"]
+            await conn.response.create()
+            first = answer(await until(conn, "response.done"))
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "And then?"}]})
+            await until(conn, "conversation.item.done")
+            await conn.response.create()
+            second = answer(await until(conn, "response.done"))
+            return first, second
+
+    first, second = asyncio.run(main())
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
+    user = {"role": "user", "content": [{"type": "input_audio",
+                                         "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}]}
+    for (text, audio, response), history in (
+            (first, [user]),
+            (second, [user, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "And then?"}]),
+            (second, [user, {"role": "assistant", "audio": {"id": first[2].output[0].id}},
+                      {"role": "user", "content": "And then?"}])):
+        reply = chat(rt_server, history)
+        assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
+        assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
+        assert reply["usage"]["completion_tokens"] == response.usage.output_tokens == 8
+    unknown = httpx.post(rt_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"model": MODEL, "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})
+    assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "messages[0].audio.id"
+
+
+def test_spoken_turn_with_server_vad(rt_server):
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 300}}}})
+            await append(conn, silence(500) + speech_pcm() + silence(800))
+            events = await until(conn, "response.done")
+            kinds = shape(events)
+            assert kinds[:5] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                                 "input_audio_buffer.committed", "conversation.item.added",
+                                 "conversation.item.done"] and kinds[5:] == AUDIO_EVENTS
+            started, stopped, committed = events[:3]
+            assert started.item_id == stopped.item_id == committed.item_id
+            assert 0 < started.audio_start_ms < 500 < stopped.audio_end_ms < 500 + 2613 + 300
+            assert len(answer(events)[1]) == 2 * samples(4)
+            await conn.conversation.item.retrieve(item_id=committed.item_id)
+            user = (await conn.recv()).item
+            assert user.role == "user" and user.content[0].type == "input_audio"
+
+    asyncio.run(main())
+
+
+def test_barge_in_cancels_and_truncates(rt_server):
+    """Speech while an answer plays cancels it (turn_detected): aborted in every stage, the item cut to the
+    audio sent and the transcript of as many tokens as frames; then the spoken turn gets its answer."""
+    long = {"max_output_tokens": 400, "max_audio_frames": 400}
+
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
+                "type": "server_vad", "silence_duration_ms": 300}}}})
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": "Talk a lot."}]})
+            await until(conn, "conversation.item.done")
+            await conn.response.create(response=long)
+            events = await until(conn, "response.output_audio.delta")
+            await append(conn, speech_pcm() + silence(800))
+            events += await until(conn, "response.done")
+            text, audio, response = answer(events)
+            assert response.status == "cancelled" and response.status_details.reason == "turn_detected"
+            assert "input_audio_buffer.speech_started" in shape(events)
+            item = response.output[0]
+            frames = math.ceil(len(audio) / 2 / 1920)
+            assert item.status == "incomplete" and text.startswith(item.content[0].transcript)
+            assert len(item.content[0].transcript) < len(text) or frames >= response.usage.output_tokens
+            assert_nothing_held(rt_server)
+            after = await until(conn, "response.done")
+            assert after[-1].response.status == "incomplete"
+            await conn.conversation.item.retrieve(item_id=item.id)
+            assert (await conn.recv()).item.content[0].transcript == item.content[0].transcript
+
+            await conn.session.update(session=MANUAL)
+            await until(conn, "session.updated")
+            await conn.response.create(response=long)
+            events = await until(conn, "response.output_audio.delta")
+            await conn.response.cancel()
+            events += await until(conn, "response.done")
+            text, audio, response = answer(events)
+            assert response.status == "cancelled" and response.status_details.reason == "client_cancelled"
+            assert_nothing_held(rt_server)
+            item = response.output[0].id
+            await conn.conversation.item.truncate(item_id=item, content_index=0, audio_end_ms=10)
+            truncated = await conn.recv()
+            assert (truncated.type, truncated.audio_end_ms) == ("conversation.item.truncated", 10)
+            await conn.conversation.item.retrieve(item_id=item)
+            kept = (await conn.recv()).item.content[0].transcript
+            assert text.startswith(kept) and len(kept) < len(text)  # 10 ms: one frame, so one token at most
+            await conn.response.cancel()
+            error = await conn.recv()
+            assert error.type == "error" and error.error.code == "response_cancel_not_active"
+
+    asyncio.run(main())
+
+
+def test_bad_events_keep_the_session(rt_server):
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, MANUAL)
+            bad = [({"type": "no.such.event", "event_id": "e1"}, "type", "invalid_value"),
+                   ({"type": "input_audio_buffer.append", "audio": "%%%", "event_id": "e2"}, "audio",
+                    "invalid_base64"),
+                   ({"type": "session.update", "session": {"audio": {"input": {"format": {
+                       "type": "audio/pcm", "rate": 16000}}}}, "event_id": "e3"},
+                    "session.audio.input.format.rate", "invalid_value"),
+                   ({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}},
+                     "event_id": "e4"}, "session.audio.output.voice", "invalid_value"),
+                   ({"type": "input_audio_buffer.append", "audio": b64(silence(7000)), "event_id": "e5"}, "audio",
+                    "input_audio_buffer_full"),
+                   ({"type": "input_audio_buffer.commit", "event_id": "e6"}, None, "input_audio_buffer_commit_empty"),
+                   ({"type": "response.create", "event_id": "e7"}, None, "conversation_empty")]
+            for event, param, code in bad:
+                await conn.send(event)
+                error = await conn.recv()
+                assert error.type == "error" and error.event_id.startswith("event_")
+                assert (error.error.event_id, error.error.param, error.error.code) == (event["event_id"], param,
+                                                                                       code), error
+            await conn.send({"type": "input_audio_buffer.append", "audio": b64(silence(5000))})
+            await conn.input_audio_buffer.commit()
+            assert (await conn.recv()).type == "input_audio_buffer.committed"
+            await conn.response.create()
+            events = await until(conn, "response.done")
+            assert len(answer(events)[1]) == 2 * samples(4)
+
+    asyncio.run(main())
+
+
+def test_wrong_api_key_is_refused(rt_server):
+    async def main():
+        with pytest.raises(Exception) as info:
+            async with client(rt_server, "sk-wrong").realtime.connect(model=MODEL) as conn:
+                await conn.recv()
+        assert "401" in str(info.value)
+
+    asyncio.run(main())
+
+
+def test_32_sessions_one_dropped(rt_server):
+    async def one(i: int) -> list[str] | None:
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, MANUAL)
+            await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                      "content": [{"type": "input_text", "text": f"Count {i}."}]})
+            await until(conn, "conversation.item.done")
+            await conn.response.create(response={"max_output_tokens": 40, "max_audio_frames": 40} if i == 0 else None)
+            if i == 0:
+                await until(conn, "response.output_audio.delta")
+                return None  # closes mid-response
+            events = await until(conn, "response.done", 240)
+            assert len(answer(events)[1]) == 2 * samples(4)
+            return shape(events)
+
+    async def main():
+        return await asyncio.gather(*(one(i) for i in range(32)))
+
+    shapes = asyncio.run(main())
+    assert shapes[0] is None and all(s == AUDIO_EVENTS for s in shapes[1:])
+    assert_nothing_held(rt_server)
