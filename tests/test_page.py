@@ -1,9 +1,11 @@
 """GET / in a real browser: Debian's headless Chromium (driven by Playwright) opens the page on the keyed tiny
-server, its fake microphone plays an espeak-ng question, server VAD ends the turn, and the page plays the
-answer. Skips without Chromium (`apt-get install chromium`) or Playwright (the `test` extra)."""
+server, its fake microphone says a question, server VAD ends the turn and the page plays the answer; the
+microphone speaks again while the answer plays: the page stops playback and truncates the answer to what was
+heard, and the second answer plays. Skips without Chromium (`apt-get install chromium`) or Playwright."""
 
 from __future__ import annotations
 
+import re
 import shutil
 from pathlib import Path
 
@@ -18,18 +20,23 @@ from serve_process import KEY, MODEL, samples
 
 pytest_plugins = ["serve_fixtures"]
 CHROMIUM = shutil.which("chromium")
-CLIP = Path(__file__).parent / "data" / "question_16k.wav"  # 0.5 s silence, 1.7 s speech, 1.5 s silence
-FRAMES = 4
+# espeak-ng, 16 kHz: 0.5 s silence, "Hello, how are you today?" (1.7 s), 3 s silence, "Wait, stop." (1.2 s)
+CLIP = Path(__file__).parent / "data" / "two_turns_16k.wav"
+FRAMES = 40  # 3.2 s of audio: still playing when the second turn starts 2.7 s after the first ended
+SPEECH = {"session.created": 1, "session.updated": 1, "input_audio_buffer.speech_started": 2,
+          "input_audio_buffer.speech_stopped": 2, "input_audio_buffer.committed": 2, "response.created": 2,
+          "response.done": 2, "conversation.item.truncated": 1}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
 def test_page_talks_to_the_model(servers, tmp_path):
     sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright (the test extra)")
+    pytest.importorskip("omnistage.server.realtime.vad", reason="needs the server VAD (branch vad)")
     keyed = servers[1]
-    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-            "--disable-component-update", "--disable-sync", "--use-fake-ui-for-media-stream",
-            "--use-fake-device-for-media-stream", f"--use-file-for-fake-audio-capture={CLIP}%noloop",
-            "--autoplay-policy=no-user-gesture-required"]
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={CLIP}%noloop", "--autoplay-policy=no-user-gesture-required"]
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:
@@ -37,29 +44,26 @@ def test_page_talks_to_the_model(servers, tmp_path):
             page.goto(keyed.url + "/")
             sync_api.expect(page.locator("#status")).to_have_text("Enter the API key, then press Start.")
             page.fill("#key", KEY)
-            page.evaluate(f"window.omni.session = {{max_output_tokens: {FRAMES}, max_audio_frames: {FRAMES}}}")
+            page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}}}")
             page.click("#start")
-            page.wait_for_function("(window.omni.events['response.done'] || 0) >= 1", timeout=45_000)
-            page.wait_for_function("window.omni.played === window.omni.samples", timeout=5_000)
-            omni = page.evaluate("window.omni")
+            page.wait_for_function("(omni.events['response.done'] || 0) >= 2", timeout=40_000)
+            page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)
+            omni = page.evaluate("omni")
             page.screenshot(path=tmp_path / "page.png")
             assert page.text_content("#model") == MODEL
             assert page.is_visible("#random")  # the tiny checkpoint's weights are random
             assert page.text_content("#start") == "Stop"
             texts = page.locator("#log li").all_text_contents()
+            cut = page.locator("#log li.cut").all_text_contents()
         finally:
             browser.close()
     assert omni["errors"] == []
-    events = omni["events"]
-    for name in ("session.created", "session.updated", "input_audio_buffer.speech_started",
-                 "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", "response.created"):
-        assert events.get(name, 0) >= 1, (name, events)
-    assert events["response.done"] == 1
-    assert omni["samples"] == samples(FRAMES)
-    assert events["response.output_audio.delta"] == omni["deltas"] >= 1
-    assert texts[0].startswith("You: (") and texts[0].endswith(" s of speech)")
-    assert texts[1], texts  # the answer's transcript
-
+    assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH
+    assert omni["samples"] == 2 * samples(FRAMES)  # both answers whole: the first was out before the cut
+    assert 0 < omni["dropped"] < samples(FRAMES) and 0 < omni["heard"] < samples(FRAMES) * 1000 // 24000
+    assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
+    assert len(texts) == 4 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
+    assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
 
 def test_subprotocol_key_becomes_the_authorization_header():
     app = FastAPI()

@@ -1,7 +1,8 @@
 """A browser's API key on a WebSocket: browsers cannot set an Authorization header there, so OpenAI's browser
-clients offer the subprotocols `realtime` and `openai-insecure-api-key.<KEY>`. This middleware turns the second
-into `Authorization: Bearer <KEY>` (so the endpoint checks one header, as for the SDK) and answers `realtime`
-when the endpoint accepts without naming a subprotocol (a browser drops a handshake that names none)."""
+clients offer the subprotocols `realtime` and `openai-insecure-api-key.<KEY>`. This middleware turns the
+second into `Authorization: Bearer <KEY>` (so the endpoint checks one header, as for the SDK; a header sent
+too wins) and answers `realtime` when the endpoint accepts naming no subprotocol (a browser drops such a
+handshake)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,10 @@ class _SubprotocolAuth:
             headers.append((b"authorization", f"Bearer {keys[0]}".encode()))
         scope = {**scope, "headers": headers}
 
+        answer = REALTIME in offered
+
         async def answered(message: Message) -> None:
-            if message["type"] == "websocket.accept" and not message.get("subprotocol") and REALTIME in offered:
+            if answer and message["type"] == "websocket.accept" and not message.get("subprotocol"):
                 message = {**message, "subprotocol": REALTIME}
             await send(message)
 
