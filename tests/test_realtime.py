@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 import math
 import time
 from importlib.resources import files
@@ -27,7 +28,8 @@ MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, **TU
 
 @pytest.fixture(scope="module")
 def rt_server(tmp_path_factory, tiny_dir):
-    server = Server(tmp_path_factory.mktemp("realtime") / "rt.log", "--api-key", KEY, "--max-audio-seconds", "6")
+    log = tmp_path_factory.mktemp("realtime") / "rt.log"
+    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "6")
     try:
         server.wait_ready()
         yield server
@@ -73,9 +75,22 @@ async def append(conn, pcm: bytes, chunk: int = 9600) -> None:
         await conn.input_audio_buffer.append(audio=b64(pcm[i:i + chunk]))
 
 
+def transcript_deltas(events: list) -> list[str]:
+    return [e.delta for e in events if e.type == "response.output_audio_transcript.delta"]
+
+
+def text_item(text: str) -> dict:
+    return {"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]}
+
+
+async def say(conn, text: str) -> None:
+    await conn.conversation.item.create(item=text_item(text))
+    await until(conn, "conversation.item.done")
+
+
 def answer(events: list) -> tuple[str, bytes, object]:
     """(transcript from the deltas, audio bytes, response.done's response) of one response."""
-    text = "".join(e.delta for e in events if e.type == "response.output_audio_transcript.delta")
+    text = "".join(transcript_deltas(events))
     audio = b"".join(base64.b64decode(e.delta) for e in events if e.type == "response.output_audio.delta")
     return text, audio, events[-1].response
 
@@ -91,8 +106,6 @@ def shape(events: list) -> list[str]:
 
 
 def gauges(server, name: str) -> dict[str, float]:
-    import re
-
     text = httpx.get(server.url + "/metrics").text
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf'{name}\{{stage="(\w+)"\}} (\S+)', text)}
 
@@ -117,7 +130,8 @@ def chat(server, messages: list[dict]) -> dict:
 
 def chat_audio(reply: dict) -> tuple[str, bytes]:
     audio = reply["choices"][0]["message"]["audio"]
-    return audio["transcript"], sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")[0].tobytes()
+    pcm = sf.read(io.BytesIO(base64.b64decode(audio["data"])), dtype="int16")[0]
+    return audio["transcript"], pcm.tobytes()
 
 
 def test_text_item_events(rt_server):
@@ -126,11 +140,11 @@ def test_text_item_events(rt_server):
             first = await conn.recv()
             assert first.type == "session.created" and first.session.model == MODEL
             assert first.session.audio.input.turn_detection.type == "server_vad"
-            await conn.session.update(session={**MANUAL, "audio": {**MANUAL["audio"], "output": {"voice": "ETHAN"}}})
+            audio = {**MANUAL["audio"], "output": {"voice": "ETHAN"}}
+            await conn.session.update(session={**MANUAL, "audio": audio})
             updated = await conn.recv()
             assert updated.type == "session.updated" and updated.session.audio.output.voice == "ethan"
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "Hello there."}]})
+            await conn.conversation.item.create(item=text_item("Hello there."))
             added, done = await conn.recv(), await conn.recv()
             assert (added.type, done.type) == ("conversation.item.added", "conversation.item.done")
             await conn.response.create()
@@ -140,7 +154,8 @@ def test_text_item_events(rt_server):
             assert response.status == "incomplete" and response.status_details.reason == "max_output_tokens"
             assert len(audio) == 2 * samples(4)
             assert response.usage.output_tokens == 8 and response.usage.output_token_details.audio_tokens == 4
-            assert response.output[0].content[0].transcript == text and response.output[0].status == "incomplete"
+            assert response.output[0].content[0].transcript == text
+            assert response.output[0].status == "incomplete"
             done = next(e for e in events if e.type == "response.output_audio_transcript.done")
             assert done.transcript == text and done.item_id == response.output[0].id
 
@@ -149,7 +164,8 @@ def test_text_item_events(rt_server):
             events = await until(conn, "response.done")
             assert shape(events) == ["response.created", "response.output_item.added",
                                      "response.content_part.added", "response.output_text.done",
-                                     "response.content_part.done", "response.output_item.done", "response.done"]
+                                     "response.content_part.done", "response.output_item.done",
+                                     "response.done"]
             deltas = [e for e in events if e.type == "response.output_text.delta"]
             assert len(deltas) == 3 and events[-1].response.usage.output_tokens == 3
             assert not any(e.type == "response.output_audio.delta" for e in events)
@@ -173,9 +189,7 @@ def test_manual_commit_history_equals_chat(rt_server):
                                                                      "conversation.item.done"]
             await conn.response.create()
             first = answer(await until(conn, "response.done"))
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "And then?"}]})
-            await until(conn, "conversation.item.done")
+            await say(conn, "And then?")
             await conn.response.create()
             second = answer(await until(conn, "response.done"))
             return first, second
@@ -187,7 +201,8 @@ def test_manual_commit_history_equals_chat(rt_server):
                                          "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}]}
     for (text, audio, response), history in (
             (first, [user]),
-            (second, [user, {"role": "assistant", "content": first[0]}, {"role": "user", "content": "And then?"}]),
+            (second, [user, {"role": "assistant", "content": first[0]},
+                      {"role": "user", "content": "And then?"}]),
             (second, [user, {"role": "assistant", "audio": {"id": first[2].output[0].id}},
                       {"role": "user", "content": "And then?"}])):
         reply = chat(rt_server, history)
@@ -195,7 +210,8 @@ def test_manual_commit_history_equals_chat(rt_server):
         assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
         assert reply["usage"]["completion_tokens"] == response.usage.output_tokens == 8
     unknown = httpx.post(rt_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
-                         json={"model": MODEL, "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})
+                         json={"model": MODEL,
+                               "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "messages[0].audio.id"
 
 
@@ -230,9 +246,7 @@ def test_barge_in_cancels_and_truncates(rt_server):
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
             await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
                 "type": "server_vad", "silence_duration_ms": 300}}}})
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": "Talk a lot."}]})
-            await until(conn, "conversation.item.done")
+            await say(conn, "Talk a lot.")
             await conn.response.create(response=long)
             events = await until(conn, "response.output_audio.delta")
             await append(conn, speech_pcm() + silence(800))
@@ -240,10 +254,10 @@ def test_barge_in_cancels_and_truncates(rt_server):
             text, audio, response = answer(events)
             assert response.status == "cancelled" and response.status_details.reason == "turn_detected"
             assert "input_audio_buffer.speech_started" in shape(events)
-            item = response.output[0]
-            frames = math.ceil(len(audio) / 2 / 1920)
-            assert item.status == "incomplete" and text.startswith(item.content[0].transcript)
-            assert len(item.content[0].transcript) < len(text) or frames >= response.usage.output_tokens
+            item, deltas = response.output[0], transcript_deltas(events)
+            frames = math.ceil(len(audio) / 2 / 1920)  # the talker speaks token t in frame t
+            assert item.status == "incomplete" and 0 < frames < len(deltas)
+            assert item.content[0].transcript == "".join(deltas[:frames])
             assert_nothing_held(rt_server)
             after = await until(conn, "response.done")
             assert after[-1].response.status == "incomplete"
@@ -265,7 +279,7 @@ def test_barge_in_cancels_and_truncates(rt_server):
             assert (truncated.type, truncated.audio_end_ms) == ("conversation.item.truncated", 10)
             await conn.conversation.item.retrieve(item_id=item)
             kept = (await conn.recv()).item.content[0].transcript
-            assert text.startswith(kept) and len(kept) < len(text)  # 10 ms: one frame, so one token at most
+            assert kept == transcript_deltas(events)[0]  # 10 ms: within the first frame, so the first token
             await conn.response.cancel()
             error = await conn.recv()
             assert error.type == "error" and error.error.code == "response_cancel_not_active"
@@ -285,16 +299,17 @@ def test_bad_events_keep_the_session(rt_server):
                     "session.audio.input.format.rate", "invalid_value"),
                    ({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}},
                      "event_id": "e4"}, "session.audio.output.voice", "invalid_value"),
-                   ({"type": "input_audio_buffer.append", "audio": b64(silence(7000)), "event_id": "e5"}, "audio",
-                    "input_audio_buffer_full"),
-                   ({"type": "input_audio_buffer.commit", "event_id": "e6"}, None, "input_audio_buffer_commit_empty"),
+                   ({"type": "input_audio_buffer.append", "audio": b64(silence(7000)), "event_id": "e5"},
+                    "audio", "input_audio_buffer_full"),
+                   ({"type": "input_audio_buffer.commit", "event_id": "e6"}, None,
+                    "input_audio_buffer_commit_empty"),
                    ({"type": "response.create", "event_id": "e7"}, None, "conversation_empty")]
             for event, param, code in bad:
                 await conn.send(event)
                 error = await conn.recv()
                 assert error.type == "error" and error.event_id.startswith("event_")
-                assert (error.error.event_id, error.error.param, error.error.code) == (event["event_id"], param,
-                                                                                       code), error
+                got = (error.error.event_id, error.error.param, error.error.code)
+                assert got == (event["event_id"], param, code), error
             await conn.send({"type": "input_audio_buffer.append", "audio": b64(silence(5000))})
             await conn.input_audio_buffer.commit()
             assert (await conn.recv()).type == "input_audio_buffer.committed"
@@ -319,10 +334,9 @@ def test_32_sessions_one_dropped(rt_server):
     async def one(i: int) -> list[str] | None:
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
             await setup(conn, MANUAL)
-            await conn.conversation.item.create(item={"type": "message", "role": "user",
-                                                      "content": [{"type": "input_text", "text": f"Count {i}."}]})
-            await until(conn, "conversation.item.done")
-            await conn.response.create(response={"max_output_tokens": 40, "max_audio_frames": 40} if i == 0 else None)
+            await say(conn, f"Count {i}.")
+            longer = {"max_output_tokens": 40, "max_audio_frames": 40}
+            await conn.response.create(response=longer if i == 0 else None)
             if i == 0:
                 await until(conn, "response.output_audio.delta")
                 return None  # closes mid-response
@@ -336,3 +350,17 @@ def test_32_sessions_one_dropped(rt_server):
     shapes = asyncio.run(main())
     assert shapes[0] is None and all(s == AUDIO_EVENTS for s in shapes[1:])
     assert_nothing_held(rt_server)
+
+
+def test_transcript_store_is_bounded_and_expires():
+    from omnistage.server.realtime.transcripts import TranscriptStore
+
+    now = [1000.0]
+    store = TranscriptStore(capacity=2, clock=lambda: now[0])
+    store.put("a", "one", expires_at=1010)
+    store.put("b", "two")
+    assert store.get("a") == "one"  # now the most recently used
+    store.put("c", "three")
+    assert (store.get("b"), store.get("a"), store.get("c"), len(store)) == (None, "one", "three", 2)
+    now[0] = 1010
+    assert store.get("a") is None and store.get("c") == "three" and len(store) == 1

@@ -109,7 +109,8 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
         if req.stream:
             body = _stream(req, head, deltas, engine, clock, metrics, transcripts)
             return StreamingResponse(body, media_type="text/event-stream")
-        return await until_disconnect(request, _collect(req, head, deltas, engine, clock, metrics, transcripts))
+        answer = _collect(req, head, deltas, engine, clock, metrics, transcripts)
+        return await until_disconnect(request, answer)
 
     return app
 
@@ -122,8 +123,8 @@ def _messages(req: ChatCompletionRequest, transcripts: TranscriptStore) -> list[
         if m.audio is not None and not m.content:
             transcript = transcripts.get(m.audio.id)
             if transcript is None:
-                raise bad_request(f"messages[{i}].audio.id: no audio answer {m.audio.id!r} is stored (unknown or "
-                                  "expired)", f"messages[{i}].audio.id")
+                raise bad_request(f"messages[{i}].audio.id: no audio answer {m.audio.id!r} is stored "
+                                  "(unknown or expired)", f"messages[{i}].audio.id")
             messages[i]["content"] = [{"type": "text", "text": transcript}]
     return messages
 

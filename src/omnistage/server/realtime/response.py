@@ -28,7 +28,8 @@ def usage_object(usage: Usage) -> dict:
     out = usage.completion_tokens + usage.audio_frames
     return {"total_tokens": usage.prompt_tokens + out, "input_tokens": usage.prompt_tokens,
             "output_tokens": out, "input_token_details": {"cached_tokens": 0},
-            "output_token_details": {"text_tokens": usage.completion_tokens, "audio_tokens": usage.audio_frames}}
+            "output_token_details": {"text_tokens": usage.completion_tokens,
+                                     "audio_tokens": usage.audio_frames}}
 
 
 @dataclass
@@ -93,7 +94,8 @@ class Response:
         if last.finish_reason == "error":
             self.fail({"type": "server_error", "code": None, "message": FAILED})
         elif last.finish_reason == "length":
-            self.status, self.status_details = "incomplete", {"type": "incomplete", "reason": "max_output_tokens"}
+            self.status = "incomplete"
+            self.status_details = {"type": "incomplete", "reason": "max_output_tokens"}
         else:
             self.status = "completed"
 

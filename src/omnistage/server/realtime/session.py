@@ -22,10 +22,24 @@ from omnistage.config import DeployConfig
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime import events as ev
-from omnistage.server.realtime.conversation import Conversation, Item, Part, chat_messages, decode_pcm, item_from
+from omnistage.server.realtime.conversation import (
+    Conversation,
+    Item,
+    Part,
+    chat_messages,
+    decode_pcm,
+    item_from,
+)
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
+from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.response import Emit, Response, play
-from omnistage.server.realtime.settings import Resolved, SessionSettings, TurnDetection, session_object, updated
+from omnistage.server.realtime.settings import (
+    Resolved,
+    SessionSettings,
+    TurnDetection,
+    session_object,
+    updated,
+)
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.serving import EngineClient, start_request
 
@@ -33,7 +47,6 @@ if TYPE_CHECKING:
     from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
-MIN_COMMIT_MS = 100  # as OpenAI: a shorter buffer cannot be committed
 
 
 @dataclass
@@ -57,12 +70,10 @@ class RealtimeSession:
         self.conversation = Conversation()
         self.response: Response | None = None
         self.closed = False
-        self._buffer = bytearray()
-        self._origin = 0  # the session sample (all audio appended) of the buffer's first sample
-        self._samples = 0  # samples appended in this session
+        self._input = InputAudioBuffer(ctx.max_buffer_bytes)
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
-        self._speech: tuple[str, int] | None = None  # (item id, start sample) of the speech going on
+        self._speech: str | None = None  # the item id of the speech going on
 
     async def start(self) -> None:
         self._new_detector()
@@ -87,57 +98,37 @@ class RealtimeSession:
 
     async def _append(self, event: ev.AudioAppend) -> None:
         pcm = decode_pcm(event.audio, "audio")
-        if len(self._buffer) + len(pcm) > self.ctx.max_buffer_bytes:
-            seconds = self.ctx.max_buffer_bytes / 2 / SAMPLE_RATE
-            raise RealtimeError(f"audio: the input audio buffer would hold more than this server's {seconds:g} s "
-                                "(commit or clear it); this append was not added.", "audio",
-                                "input_audio_buffer_full")
-        self._buffer += pcm
-        self._samples += len(pcm) // 2
+        self._input.append(pcm)
         if self._detector is None:
             return
         for turn in await self._detector.feed(np.frombuffer(pcm, "<i2")):
             await self._on_turn(turn)
         if self._speech is None:
-            keep = (self.settings.audio.input.turn_detection.prefix_padding_ms + KEEP_MS) * SAMPLE_RATE // 1000
-            self._drop_until(self._samples - keep)
+            padding = self.settings.audio.input.turn_detection.prefix_padding_ms
+            self._input.drop_until(self._input.end - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         at = self._detector_base + turn.audio_ms * SAMPLE_RATE // 1000
         vad = self.settings.audio.input.turn_detection
         if turn.type == "speech_started":
-            self._speech = (new_id("item"), max(at, self._origin))
+            self._speech = new_id("item")
+            self._input.drop_until(at)
             await self._emit(server_event("input_audio_buffer.speech_started", audio_start_ms=turn.audio_ms,
-                                          item_id=self._speech[0]))
+                                          item_id=self._speech))
             if vad.interrupt_response:
                 await self._cancel("turn_detected")
         elif self._speech is not None:
-            item_id, start = self._speech
-            self._speech = None
+            item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
-            self._drop_until(start)
-            end = max(at - self._origin, 0) * 2
-            pcm = bytes(self._buffer[:end])
-            self._drop_until(self._origin + end // 2)
-            await self._commit(pcm, item_id)
+            await self._commit(self._input.take_until(at), item_id)
             if vad.create_response and not self._playing():
                 await self._respond(ev.ResponseParams())
 
-    def _drop_until(self, sample: int) -> None:
-        if sample > self._origin:
-            del self._buffer[:(sample - self._origin) * 2]
-            self._origin = sample
-
     async def _commit_event(self, event: ev.AudioCommit) -> None:
-        if len(self._buffer) < MIN_COMMIT_MS * SAMPLE_RATE // 1000 * 2:
-            ms = len(self._buffer) // 2 * 1000 // SAMPLE_RATE
-            raise RealtimeError(f"Error committing input audio buffer: buffer too small. Expected at least "
-                                f"{MIN_COMMIT_MS}ms of audio, but buffer only has {ms}ms of audio.", None,
-                                "input_audio_buffer_commit_empty")
-        item_id = self._speech[0] if self._speech else new_id("item")
-        pcm = bytes(self._buffer)
-        self._reset_buffer()
+        item_id = self._speech or new_id("item")
+        pcm = self._input.take_all()
+        self._reset_turn()
         await self._commit(pcm, item_id)
 
     async def _commit(self, pcm: bytes, item_id: str) -> None:
@@ -149,18 +140,19 @@ class RealtimeSession:
         await self._item_added(item, previous)
 
     async def _clear(self, event: ev.AudioClear) -> None:
-        self._reset_buffer()
+        self._input.clear()
+        self._reset_turn()
         await self._emit(server_event("input_audio_buffer.cleared"))
 
-    def _reset_buffer(self) -> None:
-        self._buffer, self._origin, self._speech = bytearray(), self._samples, None
+    def _reset_turn(self) -> None:
+        self._speech = None
         if self._detector is not None:
             self._detector.reset()
 
     def _new_detector(self) -> None:
         vad = self.settings.audio.input.turn_detection
         self._detector = None if vad is None else self.ctx.detector(vad)
-        self._detector_base, self._speech = self._samples, None
+        self._detector_base, self._speech = self._input.end, None
 
     # -- session and conversation -------------------------------------------------------------------------
 
@@ -216,17 +208,17 @@ class RealtimeSession:
 
     async def _respond(self, params: ev.ResponseParams) -> None:
         if self._playing():
-            raise RealtimeError(f"Conversation already has an active response in progress: {self.response.id}. "
-                                "Wait until the response is finished before creating a new one.", None,
-                                "conversation_already_has_active_response")
+            raise RealtimeError(f"Conversation already has an active response in progress: "
+                                f"{self.response.id}. Wait until the response is finished before creating a "
+                                "new one.", None, "conversation_already_has_active_response")
         resolved = Resolved(self.settings, params, self.ctx.voices)
         sampling, talker = resolved.sampling(self.ctx.deploy)
         items = self.conversation.items if params.input is None else [
             item_from(item, f"response.input[{i}]") for i, item in enumerate(params.input)]
         messages = chat_messages(resolved.instructions, items)
         if not messages:
-            raise RealtimeError("The conversation is empty: add an item or send input before response.create.",
-                                None, "conversation_empty")
+            raise RealtimeError("The conversation is empty: add an item or send input before "
+                                "response.create.", None, "conversation_empty")
         part = Part("output_audio" if resolved.wants_audio else "output_text")
         item = Item(new_id("item"), "assistant", [part], status="in_progress")
         conversation = None if params.conversation == "none" else self.conversation
@@ -244,15 +236,16 @@ class RealtimeSession:
 
         response.task = asyncio.create_task(self._play(response, start))
 
-    async def _play(self, response: Response, start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
+    async def _play(self, response: Response,
+                    start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
         await play(response, start, self.ctx.engine.abort, self._emit)
         if response.audio and response.conversation is not None:
             self.ctx.transcripts.put(response.item.id, response.item.parts[0].text)
 
     async def _cancel_event(self, event: ev.ResponseCancel) -> None:
         if event.response_id is not None and (self.response is None or event.response_id != self.response.id):
-            raise RealtimeError(f"response_id: no response {event.response_id!r} is in progress.", "response_id",
-                                "response_cancel_not_active")
+            raise RealtimeError(f"response_id: no response {event.response_id!r} is in progress.",
+                                "response_id", "response_cancel_not_active")
         if not await self._cancel("client_cancelled"):
             raise RealtimeError("Cancellation failed: no active response found.", None,
                                 "response_cancel_not_active")

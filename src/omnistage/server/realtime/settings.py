@@ -85,7 +85,8 @@ class SessionSettings(_Strict):
         return v
 
 
-def updated(settings: SessionSettings, patch: dict, voices: Sequence[str], model_name: str) -> SessionSettings:
+def updated(settings: SessionSettings, patch: dict, voices: Sequence[str],
+            model_name: str) -> SessionSettings:
     """`settings` with session.update's `session` merged in (nested objects key by key); a RealtimeError
     names the param (e.g. "session.audio.input.format.rate") and leaves `settings` as they were."""
     try:
@@ -147,7 +148,8 @@ class Resolved:
             max_audio_frames=self.max_audio_frames, talker=None)
         try:
             sampling = thinker_sampling_params(fields, deploy.stages.thinker.sampling)
-            talker = talker_sampling_params(fields, deploy.stages.talker.sampling) if self.wants_audio else None
+            talker = (talker_sampling_params(fields, deploy.stages.talker.sampling) if self.wants_audio
+                      else None)
         except OpenAIError as e:
             raise RealtimeError(e.message, e.param) from None
         return sampling, talker

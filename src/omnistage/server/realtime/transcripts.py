@@ -20,7 +20,8 @@ class TranscriptStore:
 
     def put(self, audio_id: str, transcript: str, expires_at: float | None = None) -> None:
         """`expires_at`: unix seconds (default: now + AUDIO_TTL_S, as chat's `audio.expires_at`)."""
-        self._entries[audio_id] = (transcript, self.clock() + AUDIO_TTL_S if expires_at is None else expires_at)
+        expires_at = self.clock() + AUDIO_TTL_S if expires_at is None else expires_at
+        self._entries[audio_id] = (transcript, expires_at)
         self._entries.move_to_end(audio_id)
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
