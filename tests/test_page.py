@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -29,9 +30,10 @@ SPEECH = {"session.created": 1, "session.updated": 1, "input_audio_buffer.speech
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
+@pytest.mark.skipif(find_spec("playwright") is None, reason="needs Playwright (the test extra)")
+@pytest.mark.skipif(find_spec("omnistage.server.realtime.vad") is None, reason="needs the server VAD (vad)")
 def test_page_talks_to_the_model(servers, tmp_path):
-    sync_api = pytest.importorskip("playwright.sync_api", reason="needs Playwright (the test extra)")
-    pytest.importorskip("omnistage.server.realtime.vad", reason="needs the server VAD (branch vad)")
+    from playwright import sync_api
     keyed = servers[1]
     args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
