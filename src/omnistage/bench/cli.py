@@ -14,9 +14,10 @@ import time
 
 from omnistage.bench.metrics import summarize
 from omnistage.bench.report import add_results, markdown, run_meta, write_report
+from omnistage.bench.speech import CLIPS
 from omnistage.bench.workload import Budget, TokenCounter, build_requests, token_counter
 
-WORKLOADS = ("read-aloud",)
+WORKLOADS = ("read-aloud",)  # and "realtime" (--realtime)
 
 
 def _ints(text: str) -> list[int]:
@@ -55,6 +56,20 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--device", default=None, help="hf: torch device (default: cuda if available)")
     p.add_argument("--dtype", default=None, help="hf: dtype (default: bf16 on accelerators, fp32 on CPU)")
     p.add_argument("--weights-seed", type=int, default=0, help="hf: seed of the random weights (as the server's)")
+    p.add_argument("--idle-sessions", type=int, default=0,
+                   help="realtime sessions held open streaming silence while the rows run (chat or realtime)")
+    r = p.add_argument_group("realtime (--realtime: sessions over /v1/realtime; --concurrency = sessions)")
+    r.add_argument("--realtime", action="store_true", help="spoken turns with server VAD instead of chat requests")
+    r.add_argument("--clips", type=lambda t: t.split(","), default=["question_2s", "question_20s"],
+                   help=f"the spoken turns, one row each: {', '.join(CLIPS)}")
+    r.add_argument("--turns", type=int, default=4, help="turns per session in a row")
+    r.add_argument("--barge-in-every", type=int, default=3,
+                   help="k: turns k, 2k, ... start while the previous answer plays (0: never)")
+    r.add_argument("--append-ms", type=int, default=20, help="audio per input_audio_buffer.append")
+    r.add_argument("--silence-ms", type=int, default=500, help="server_vad silence_duration_ms")
+    r.add_argument("--turn-gap-s", type=float, default=0.5, help="silence after an answer before the next turn")
+    r.add_argument("--stagger-s", type=float, default=0.0, help="sessions start spread over this many seconds")
+    r.add_argument("--turn-timeout", type=float, default=60.0)
     return p
 
 
@@ -72,6 +87,7 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
     from tqdm import tqdm
 
     from omnistage.bench.client import chat_payload, run_requests, served_model
+    from omnistage.bench.realtime import idle_sessions, realtime_sweep
     from omnistage.bench.stage_stats import row_server_stats, scrape_server_counters
 
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else None
@@ -80,32 +96,37 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
     rows, skipped, plan = [], [], _plan(args)
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
         model = args.model or await served_model(client)
+        if args.realtime:
+            return await realtime_sweep(args, model), skipped
 
         def bodies(p: int, n: int, seed: int) -> list[dict]:
             return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,
                                  max_tokens=args.max_tokens, max_frames=args.max_frames)
                     for r in build_requests(p, n, seed, counter)]
 
-        if args.warmup:
-            warm, _ = await run_requests(client, bodies(plan[0][0], args.warmup, args.seed + 1), args.warmup,
-                                         budget.end, budget.end)
-            print(f"warm-up: {sum(r.ok for r in warm)}/{args.warmup} ok "
-                  + "; ".join(sorted({r.error for r in warm if not r.ok})), file=sys.stderr)
-        for i, (p, c) in enumerate(plan):
-            if budget.left() <= 0:
-                skipped.append({"prompt_tokens": p, "concurrency": c})
-                continue
-            todo = bodies(p, row_requests(args, c), args.seed)
-            counters = await scrape_server_counters(client)
-            start = time.perf_counter()
-            with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
-                results, cancelled = await run_requests(client, todo, c, budget.row_deadline(len(plan) - i),
-                                                        budget.end, on_done=bar.update)
-            rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=p, start=start,
-                                  cancelled=cancelled))
-            rows[-1].update(row_server_stats(counters, await scrape_server_counters(client),
-                                             time.perf_counter() - start))
-            _print_row(rows[-1])
+        async with idle_sessions(args, model):  # none unless --idle-sessions
+            if args.warmup:
+                warm, _ = await run_requests(client, bodies(plan[0][0], args.warmup, args.seed + 1), args.warmup,
+                                             budget.end, budget.end)
+                print(f"warm-up: {sum(r.ok for r in warm)}/{args.warmup} ok "
+                      + "; ".join(sorted({r.error for r in warm if not r.ok})), file=sys.stderr)
+            for i, (p, c) in enumerate(plan):
+                if budget.left() <= 0:
+                    skipped.append({"prompt_tokens": p, "concurrency": c})
+                    continue
+                todo = bodies(p, row_requests(args, c), args.seed)
+                counters = await scrape_server_counters(client)
+                start = time.perf_counter()
+                with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
+                    results, cancelled = await run_requests(client, todo, c, budget.row_deadline(len(plan) - i),
+                                                            budget.end, on_done=bar.update)
+                rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=p, start=start,
+                                      cancelled=cancelled))
+                rows[-1].update(row_server_stats(counters, await scrape_server_counters(client),
+                                                 time.perf_counter() - start))
+                if args.idle_sessions:
+                    rows[-1]["idle_sessions"] = args.idle_sessions
+                _print_row(rows[-1])
     return rows, skipped
 
 
@@ -129,7 +150,8 @@ def run_bench(args: argparse.Namespace) -> int:
         rows, skipped = asyncio.run(_sweep(args, counter, budget))
     for row in rows if args.variant else ():
         row["variant"] = args.variant
-    meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), args.workload, backend=args.backend, seed=args.seed,
+    workload = "realtime" if args.realtime else args.workload
+    meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), workload, backend=args.backend, seed=args.seed,
                     random_weights=args.random_weights, tokenizer=counter.name, num_prompts=args.num_prompts,
                     prompts_per_concurrency=args.prompts_per_concurrency,
                     warmup=args.warmup, time_budget_s=args.time_budget, skipped=skipped,
@@ -137,4 +159,4 @@ def run_bench(args: argparse.Namespace) -> int:
     results = add_results(args.output_dir, meta, rows)
     write_report(args.output_dir)
     print(markdown(results))
-    return 0 if rows and all(r["num_requests"] for r in rows) else 1
+    return 0 if rows and all(r.get("num_requests", r.get("num_turns")) for r in rows) else 1

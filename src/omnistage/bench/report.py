@@ -26,6 +26,18 @@ COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "P": ("pr
            "TTFP p90": ("p90_ttfp_ms", "{:.0f}"), "TTFP p99": ("p99_ttfp_ms", "{:.0f}"),
            "RTF": ("mean_rtf", "{:.3f}"), "RTF p90": ("p90_rtf", "{:.3f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
            "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
+# the realtime table: column -> (row key, format)
+REALTIME_COLUMNS = {"clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"), "sessions": ("concurrency", "{}"),
+                    "idle": ("idle_sessions", "{}"), "turns": ("num_turns", "{}"), "failed": ("failed", "{}"),
+                    "end -> VAD ms": ("mean_speech_end_to_vad_ms", "{:.0f}"),
+                    "VAD -> audio ms": ("mean_vad_to_first_audio_ms", "{:.0f}"),
+                    "VAD -> audio p90": ("p90_vad_to_first_audio_ms", "{:.0f}"),
+                    "end -> audio ms": ("mean_speech_end_to_first_audio_ms", "{:.0f}"),
+                    "RTF": ("mean_rtf", "{:.3f}"), "stalls": ("mean_stalls", "{:.2f}"),
+                    "stall ms": ("mean_stall_ms", "{:.0f}"), "barge-ins": ("barge_in_turns", "{}"),
+                    "cancelled": ("barge_in_cancelled", "{}"),
+                    "barge-in -> silence ms": ("mean_barge_in_to_silence_ms", "{:.0f}"),
+                    "p90": ("p90_barge_in_to_silence_ms", "{:.0f}")}
 # the stage table's cells after the stage name: (stage figure, format)
 STAGE_CELLS = (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"), ("busy_fraction", "{:.0%}"),
                ("mean_batch", "{:.1f}"), ("graph_ms", "{:.1f}"), ("graph_gpu_fraction", "{:.0%}"))
@@ -83,18 +95,33 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
+def _is_realtime(row: dict) -> bool:
+    return row.get("workload") == "realtime"
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
+    chat = [r for r in results["rows"] if not _is_realtime(r)]
     lines = [(f"Run {meta['date']}, commit `{meta['commit']}`, {meta['device']} x {meta['gpus']}, "
               f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in sorted(results["rows"], key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"],
-                                                      r["concurrency"])):
+    for row in sorted(chat, key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"], r["concurrency"])):
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
     lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
                    "is its batch size and TTFT = TTFP = E2E.")]
-    return "\n".join(lines + _stage_lines(results["rows"]) + _phase_lines(results["rows"])) + "\n"
+    return "\n".join(lines + _stage_lines(chat) + _phase_lines(chat) + _realtime_lines(results["rows"])) + "\n"
+
+
+def _realtime_lines(rows: list[dict]) -> list[str]:
+    """The realtime rows (bench/realtime_metrics.py says what each time is)."""
+    rows = sorted((r for r in rows if _is_realtime(r)), key=lambda r: (r["clip"], r["idle_sessions"], r["concurrency"]))
+    if not rows:
+        return []
+    lines = ["", "Realtime sessions (per turn; end = the speech's last append sent, VAD = speech_stopped received, "
+             "audio = first output_audio.delta; RTF and stalls of answers played from their first delta):", "",
+             "| " + " | ".join(REALTIME_COLUMNS) + " |", "|" + "---|" * len(REALTIME_COLUMNS)]
+    return lines + ["| " + " | ".join(_cell(r, k, f) for k, f in REALTIME_COLUMNS.values()) + " |" for r in rows]
 
 
 def _server_table(rows: list[dict], key: str, columns: list[str], lines_of: Callable[[dict], list[list[str]]],
@@ -135,10 +162,10 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
 
     series: dict[tuple[str, int], list[dict]] = {}
     for row in results["rows"]:
-        if row["num_requests"] and not row.get("variant"):  # ablation rows: in the table only
+        if not _is_realtime(row) and row["num_requests"] and not row.get("variant"):  # ablation rows: table only
             series.setdefault((row["backend"], row["prompt_tokens"]), []).append(row)
     paths = []
-    for name, (key, label) in PLOTS.items():
+    for name, (key, label) in PLOTS.items() if series else ():
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for (backend, p), rows in sorted(series.items()):
             pts = sorted((r["concurrency"], r[key]) for r in rows if r.get(key) is not None)
