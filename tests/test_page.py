@@ -31,7 +31,6 @@ SPEECH = {"session.created": 1, "session.updated": 1, "input_audio_buffer.speech
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
 @pytest.mark.skipif(find_spec("playwright") is None, reason="needs Playwright (the test extra)")
-@pytest.mark.skipif(find_spec("omnistage.server.realtime.vad") is None, reason="needs the server VAD (vad)")
 def test_page_talks_to_the_model(servers, tmp_path):
     from playwright import sync_api
     keyed = servers[1]
@@ -61,8 +60,9 @@ def test_page_talks_to_the_model(servers, tmp_path):
             browser.close()
     assert omni["errors"] == []
     assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH
-    assert omni["samples"] == 2 * samples(FRAMES)  # both answers whole: the first was out before the cut
-    assert 0 < omni["dropped"] < samples(FRAMES) and 0 < omni["heard"] < samples(FRAMES) * 1000 // 24000
+    first, second = omni["answers"].values()
+    assert second == samples(FRAMES)  # whole; the first was cut (by the server too, if not out yet)
+    assert 0 < omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
     assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
     assert len(texts) == 4 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
     assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
