@@ -5,6 +5,8 @@ heard, and the second answer plays. Skips without Chromium (`apt-get install chr
 
 from __future__ import annotations
 
+import base64
+import json
 import re
 import shutil
 from importlib.util import find_spec
@@ -38,14 +40,16 @@ def test_page_talks_to_the_model(servers, tmp_path):
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
             f"--use-file-for-fake-audio-capture={CLIP}%noloop", "--autoplay-policy=no-user-gesture-required"]
+    received: dict[str, int] = {}  # samples of each answer on the wire, as the browser got them
     with sync_api.sync_playwright() as p:
         browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
         try:
             page = browser.new_page()
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda f: count_audio(f, received)))
             page.goto(keyed.url + "/")
             sync_api.expect(page.locator("#status")).to_have_text("Enter the API key, then press Start.")
             page.fill("#key", KEY)
-            page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}}}")
+            page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}, seed: 0}}")
             page.click("#start")
             page.wait_for_function("(omni.events['response.done'] || 0) >= 2", timeout=40_000)
             page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)
@@ -59,13 +63,24 @@ def test_page_talks_to_the_model(servers, tmp_path):
         finally:
             browser.close()
     assert omni["errors"] == []
-    assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH
-    first, second = omni["answers"].values()
-    assert second == samples(FRAMES)  # whole; the first was cut (by the server too, if not out yet)
+    assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH, omni
+    assert omni["answers"] == received and omni["samples"] == sum(received.values())
+    first, second = received.values()
+    # the second answer whole (code2wav: N frames make N * 1920 - 555 samples; its EOS may come before FRAMES)
+    assert (second + 555) % 1920 == 0 and 0 < second <= samples(FRAMES)
+    # the first one cut while playing (by the server too, if it was not all out yet)
     assert 0 < omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
     assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
     assert len(texts) == 4 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
     assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
+
+
+def count_audio(payload: str | bytes, received: dict[str, int]) -> None:
+    event = json.loads(payload)
+    if event["type"] == "response.output_audio.delta":
+        item = event["item_id"]
+        received[item] = received.get(item, 0) + len(base64.b64decode(event["delta"])) // 2
+
 
 def test_subprotocol_key_becomes_the_authorization_header():
     app = FastAPI()
