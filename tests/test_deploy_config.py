@@ -134,7 +134,7 @@ def test_to_dict_round_trip_and_describe():
     assert build_deploy_config(cfg.to_dict(), "cuda") == cfg
     logged = json.loads(cfg.describe())
     assert logged["stages"]["code2wav"]["devices"] == [0, 1]
-    assert logged["stages"]["thinker"]["kv_cache_memory"] == 0.25
+    assert logged["stages"]["thinker"]["kv_cache_memory"] == 0.8 and logged["gpu_memory_utilization"] == 0.9
     assert "\n" not in cfg.describe()
     assert build_deploy_config({}, "cpu") == DeployConfig()
 

@@ -1,8 +1,11 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
+
+from omnistage.config import build_deploy_config
 
 from omnistage.server.launch import TINY_MODEL_NAME, LaunchError, add_serve_args, deploy_config, resolve_model
 
@@ -79,3 +82,65 @@ def test_generate_help_has_defaults_and_warns_of_random_weights(capsys, monkeypa
     with pytest.raises(RuntimeError):
         cli.main(["generate", "--prompt", "hi"])
     assert "omnistage generate: the weights are RANDOM" in capsys.readouterr().err
+
+
+GENERATION = {"temperature": 0.7, "top_p": 0.8, "top_k": 20, "repetition_penalty": 1.1, "max_new_tokens": 99,
+              "thinker_top_k": 30, "talker_temperature": 0.5, "talker_max_new_tokens": 300}
+
+
+def test_generation_config_defaults_applied_and_overridden(tmp_path):
+    from omnistage.generation_config import (
+        describe_defaults,
+        read_generation_config,
+        with_generation_defaults,
+    )
+    from omnistage.server.protocol import (
+        ChatCompletionRequest,
+        talker_sampling_params,
+        thinker_sampling_params,
+    )
+
+    (tmp_path / "generation_config.json").write_text(json.dumps(GENERATION))
+    deploy = build_deploy_config({"stages": {"thinker": {"sampling": {"temperature": 0.2}}}}, "cpu")
+    generation = read_generation_config(tmp_path)
+    merged = with_generation_defaults(deploy, generation)
+    # the deploy config's key > generation_config.json (thinker_ keys over plain ones) > built-in
+    assert merged.stages.thinker.sampling == {"temperature": 0.2, "top_p": 0.8, "top_k": 30,
+                                              "repetition_penalty": 1.1, "max_tokens": 99}
+    assert merged.stages.talker.sampling == {"temperature": 0.5, "max_frames": 300}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}], top_p=0.5, max_tokens=7)
+    sp = thinker_sampling_params(req, merged.stages.thinker.sampling)  # the request's fields > all
+    assert (sp.temperature, sp.top_p, sp.top_k, sp.repetition_penalty, sp.max_tokens) == (
+        0.2, 0.5, 30, 1.1, 7)
+    tp = talker_sampling_params(req, merged.stages.talker.sampling)
+    assert (tp.temperature, tp.top_k, tp.top_p, tp.max_frames) == (0.5, 50, 1.0, 300)
+    assert describe_defaults(deploy, generation)[1] == (
+        "talker sampling defaults (request fields override): temperature=0.5 top_k=50 top_p=1.0 "
+        "repetition_penalty=1.05 max_frames=300 ignore_eos=False (temperature from generation_config.json, "
+        "max_frames from generation_config.json)")
+    assert with_generation_defaults(deploy, read_generation_config(tmp_path, "vllm")) == deploy
+    greedy = with_generation_defaults(deploy, {"do_sample": False, "talker_do_sample": False, "top_p": None})
+    assert greedy.stages.thinker.sampling["temperature"] == 0.2 and greedy.stages.talker.sampling == {
+        "temperature": 0.0}
+
+
+def test_generation_config_flag(tiny_dir, tmp_path, caplog):
+    from omnistage.server.launch import generation_defaults
+
+    args = add_serve_args(argparse.ArgumentParser()).parse_args([])
+    assert args.generation_config == "auto"
+    shipped = deploy_config(tiny_dir, None, None, "cpu")
+    with caplog.at_level("INFO", "omnistage.serve"):
+        merged = generation_defaults(shipped, tiny_dir, "auto")  # the real file: talker keys only
+    assert merged.stages.thinker.sampling == shipped.stages.thinker.sampling
+    assert merged.stages.talker.sampling == {**shipped.stages.talker.sampling, "top_p": 1.0}
+    thinker = "thinker sampling defaults (request fields override): temperature=0.4 top_p=0.9 top_k=1"
+    assert thinker in caplog.text
+    assert "top_p from generation_config.json" in caplog.text
+    missing = f"--generation-config: {tmp_path}/generation_config.json not found"
+    with pytest.raises(LaunchError, match=missing):
+        generation_defaults(shipped, tiny_dir, str(tmp_path))
+    (tmp_path / "generation_config.json").write_text('{"top_p": 2}')
+    bad = "generation_config.json with stages.thinker.sampling: top_p must be"
+    with pytest.raises(LaunchError, match=bad):
+        generation_defaults(build_deploy_config({}, "cpu"), tiny_dir, str(tmp_path))

@@ -133,11 +133,24 @@ def test_tiny_checkpoint_cache(tmp_path, monkeypatch, capsys):
     assert "wrote" in capsys.readouterr().out
 
 
-def test_generation_config_and_feature_extractor(tiny_dir):
+# The real Qwen/Qwen3-Omni-30B-A3B-Instruct's files besides the weights (its generation_config.json whole)
+REAL_SIDE_FILES = ["chat_template.json", "config.json", "generation_config.json", "merges.txt",
+                   "preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
+REAL_GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty": 1.05,
+                          "talker_temperature": 0.9, "talker_top_k": 50, "talker_top_p": 1.0}
+
+
+def test_real_repo_file_set_and_processor_values(tiny_dir):
     from transformers import AutoFeatureExtractor, GenerationConfig, WhisperFeatureExtractor
 
-    gen = GenerationConfig.from_pretrained(tiny_dir)
-    assert gen.eos_token_id == [151645, 151643] and gen.pad_token_id == 151643
+    assert sorted(f.name for f in tiny_dir.iterdir() if f.suffix != ".safetensors") == sorted(
+        [*REAL_SIDE_FILES, INDEX_FILE])
+    assert json.loads((tiny_dir / "generation_config.json").read_text()) == REAL_GENERATION_CONFIG
+    assert GenerationConfig.from_pretrained(tiny_dir).talker_temperature == 0.9
+    pre = json.loads((tiny_dir / "preprocessor_config.json").read_text())
+    assert (pre["min_pixels"], pre["max_pixels"], pre["patch_size"], pre["n_samples"]) == (
+        3136, 12845056, 16, 4800000)
+    assert "chat_template" not in json.loads((tiny_dir / "tokenizer_config.json").read_text())
     fe = AutoFeatureExtractor.from_pretrained(tiny_dir)
     assert type(fe) is WhisperFeatureExtractor
     assert (fe.feature_size, fe.sampling_rate, fe.hop_length) == (128, 16000, 160)
@@ -150,6 +163,7 @@ def test_image_processor_matches_vision_config(tiny_dir):
 
     ip = AutoImageProcessor.from_pretrained(tiny_dir)
     assert (ip.patch_size, ip.merge_size, ip.temporal_patch_size) == (16, 2, 2)
+    assert ip.size == {"shortest_edge": 3136, "longest_edge": 12845056}
     image = np.random.default_rng(0).integers(0, 255, (256, 256, 3), dtype=np.uint8)
     out = ip(images=[image], return_tensors="pt")
     assert out.image_grid_thw.tolist() == [[1, 16, 16]]  # 256 px / 16 px patches

@@ -100,7 +100,9 @@ def check_parity(o: Omni, preset: str, messages: list, *, voice: str = "Ethan", 
 
 
 def test_image_input_matches_transformers(preset: str) -> None:
-    messages = [{"role": "user", "content": [{"type": "image", "image": image(0)}, "What is in the picture?"]}]
+    # 224 x 320 px: inside the real preprocessor_config's [3136, 12845056] pixels, 14 x 20 patches
+    messages = [{"role": "user", "content": [{"type": "image", "image": image(0, 224, 320)},
+                                             "What is in the picture?"]}]
     prompt = omni(preset).engine.processor(messages)
     assert prompt.image_grid_thw.tolist() == [[1, 14, 20]] and prompt.input_ids.count(151655) == 70
     err = check_parity(omni(preset), preset, messages, voice="Chelsie")

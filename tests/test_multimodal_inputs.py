@@ -123,10 +123,11 @@ def test_processor_per_item_options() -> None:
              {"type": "video", "video": video(7), "min_pixels": 32 * 32, "max_pixels": 96 * 96,
               "total_pixels": 5 * 1024 // 2}]
     prompt = PromptProcessor(tiny_checkpoint("tiny"))([{"role": "user", "content": parts}])
-    assert prompt.image_grid_thw.tolist() == [[1, 14, 20], [1, 2, 4], [1, 4, 6]]
+    # the first at the real preprocessor_config's min_pixels 3136: 40 x 56 -> 64 x 96 (4 x 6 patches)
+    assert prompt.image_grid_thw.tolist() == [[1, 4, 6], [1, 2, 4], [1, 4, 6]]
     # 36 x 52 frames -> 32 x 64; with total_pixels spread over 5 frames (1075 per frame) -> 32 x 32
     assert prompt.video_grid_thw.tolist() == [[3, 2, 4], [3, 2, 2]]
-    assert prompt.input_ids.count(151655) == 70 + 2 + 6 and prompt.input_ids.count(151656) == 6 + 3
+    assert prompt.input_ids.count(151655) == 6 + 2 + 6 and prompt.input_ids.count(151656) == 6 + 3
 
 
 def test_encoders_batched_across_requests() -> None:

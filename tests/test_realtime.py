@@ -180,7 +180,7 @@ def test_manual_commit_history_equals_chat(rt_server):
 
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
-            await setup(conn, MANUAL)
+            await setup(conn, {**MANUAL, "instructions": "Be brief."})
             await append(conn, pcm)
             await conn.input_audio_buffer.commit()
             committed = await conn.recv()
@@ -197,13 +197,14 @@ def test_manual_commit_history_equals_chat(rt_server):
     first, second = asyncio.run(main())
     wav = io.BytesIO()
     sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
-    user = {"role": "user", "content": [{"type": "input_audio",
-                                         "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}]}
+    user = [{"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "input_audio",
+                                          "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}]}]
     for (text, audio, response), history in (
-            (first, [user]),
-            (second, [user, {"role": "assistant", "content": first[0]},
+            (first, user),
+            (second, [*user, {"role": "assistant", "content": first[0]},
                       {"role": "user", "content": "And then?"}]),
-            (second, [user, {"role": "assistant", "audio": {"id": first[2].output[0].id}},
+            (second, [*user, {"role": "assistant", "audio": {"id": first[2].output[0].id}},
                       {"role": "user", "content": "And then?"}])):
         reply = chat(rt_server, history)
         assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
@@ -310,6 +311,17 @@ def test_bad_events_keep_the_session(rt_server):
                 assert error.type == "error" and error.event_id.startswith("event_")
                 got = (error.error.event_id, error.error.param, error.error.code)
                 assert got == (event["event_id"], param, code), error
+            await conn.input_audio_buffer.append(audio=b64(silence(300)))
+            await conn.input_audio_buffer.clear()
+            assert (await conn.recv()).type == "input_audio_buffer.cleared"
+            await conn.input_audio_buffer.commit()  # cleared: nothing to commit
+            assert (await conn.recv()).error.code == "input_audio_buffer_commit_empty"
+            await conn.conversation.item.create(item={**text_item("Gone soon."), "id": "item_gone"})
+            await until(conn, "conversation.item.done")
+            await conn.conversation.item.delete(item_id="item_gone")
+            assert (await conn.recv()).type == "conversation.item.deleted"
+            await conn.conversation.item.retrieve(item_id="item_gone")
+            assert (await conn.recv()).error.code == "item_not_found"
             await conn.send({"type": "input_audio_buffer.append", "audio": b64(silence(5000))})
             await conn.input_audio_buffer.commit()
             assert (await conn.recv()).type == "input_audio_buffer.committed"
@@ -320,12 +332,15 @@ def test_bad_events_keep_the_session(rt_server):
     asyncio.run(main())
 
 
-def test_wrong_api_key_is_refused(rt_server):
+def test_wrong_api_key_or_model_is_refused(rt_server):
     async def main():
         with pytest.raises(Exception) as info:
             async with client(rt_server, "sk-wrong").realtime.connect(model=MODEL) as conn:
                 await conn.recv()
         assert "401" in str(info.value)
+        async with client(rt_server).realtime.connect(model="gpt-realtime") as conn:
+            error = await conn.recv()
+            assert (error.type, error.error.code, error.error.param) == ("error", "model_not_found", "model")
 
     asyncio.run(main())
 

@@ -16,6 +16,7 @@ from omnistage.server.app import _stream, create_app
 from omnistage.server.audio_format import to_pcm16
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.protocol import ChatCompletionRequest
+from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.responses import ResponseHead
 
 TEXT = ["Hel", "lo", " there", "."]
@@ -130,8 +131,8 @@ def test_disconnect_mid_stream_aborts_the_request():
     async def run() -> None:
         from omnistage.server.serving import RequestClock
 
-        body = _stream(req, head, engine.generate(head.id, [], None, None, None, False), engine, RequestClock(),
-                       ServerMetrics())
+        deltas = engine.generate(head.id, [], None, None, None, False)
+        body = _stream(req, head, deltas, engine, RequestClock(), ServerMetrics(), TranscriptStore())
         await body.__anext__()
         await body.__anext__()
         await body.aclose()  # what the server does when the client goes away
@@ -146,5 +147,22 @@ def test_unknown_model_and_audio_reference():
         client.chat.completions.create(model="other", messages=USER)
     history = USER + [{"role": "assistant", "audio": {"id": "a"}}]
     r = http.post("/v1/chat/completions", json={"messages": history})
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].audio"
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].audio.id"
+    assert "no audio answer 'a' is stored" in r.json()["error"]["message"]
     assert http.get("/v1/models").json()["data"][0]["id"] == "qwen3-omni"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_audio_reference_becomes_the_transcript(stream):
+    """An answer's message.audio.id (streamed or not) stands for its transcript in a later request."""
+    engine, client, _ = setup()
+    audio = {"voice": "ethan", "format": "pcm16" if stream else "wav"}
+    reply = client.chat.completions.create(model="qwen3-omni", messages=USER, modalities=["text", "audio"],
+                                           audio=audio, stream=stream)
+    chunks = list(reply) if stream else []  # the transcript is stored once the answer is whole
+    audio_id = (next(c.choices[0].delta.audio.id for c in chunks if c.choices and c.choices[0].delta.audio)
+                if stream else reply.choices[0].message.audio.id)
+    history = [*USER, {"role": "assistant", "audio": {"id": audio_id}}, {"role": "user", "content": "Again."}]
+    client.chat.completions.create(model="qwen3-omni", messages=history)
+    assert engine.calls[-1]["messages"][1] == {"role": "assistant",
+                                               "content": [{"type": "text", "text": "Hello there."}]}

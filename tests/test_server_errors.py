@@ -45,7 +45,7 @@ BAD_CHAT = [
     ({"messages": user({"type": "audio", "audio": "data:,"}, role="system")}, 400, "messages[0]"),
     ({"messages": [{"role": "user"}]}, 400, "messages[0]"),
     ({"messages": "hi"}, 400, "messages"),
-    ({"messages": USER + [{"role": "assistant", "audio": {"id": "audio_1"}}]}, 400, "messages[1].audio"),
+    ({"messages": USER + [{"role": "assistant", "audio": {"id": "audio_1"}}]}, 400, "messages[1].audio.id"),
     ({"modalities": ["video"]}, 400, "modalities[0]"),
     ({"top_p": 0}, 400, "top_p"),
     ({"n": 0}, 400, "n"),

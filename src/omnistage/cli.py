@@ -8,14 +8,8 @@ from collections.abc import Callable
 
 from omnistage.bench.cli import add_bench_args
 from omnistage.config import PLACEMENTS
+from omnistage.models.qwen3_omni.make_tiny import add_make_tiny_args, run_make_tiny
 from omnistage.server.launch import RANDOM_WEIGHTS_NOTE, add_serve_args, serve
-
-
-def _make_tiny(args: argparse.Namespace) -> None:
-    from omnistage.models.qwen3_omni.make_tiny import make_tiny
-
-    path = make_tiny(args.dir, seed=args.seed, preset=args.preset)
-    print(f"wrote a tiny random-weight Qwen3-Omni checkpoint to {path}")
 
 
 def _generate(args: argparse.Namespace) -> None:
@@ -53,11 +47,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omnistage", description=__doc__)
     sub = p.add_subparsers(dest="command", required=True)
 
-    t = sub.add_parser("make-tiny", help="write a tiny random-weight HF-format Qwen3-Omni directory")
-    t.add_argument("dir")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--preset", default="tiny")
-    t.set_defaults(func=_make_tiny)
+    t = add_make_tiny_args(sub.add_parser("make-tiny", help="write a tiny random-weight HF-format Qwen3-Omni "
+                                                           "directory (the real repo's file set)"))
+    t.set_defaults(func=run_make_tiny)
 
     g = sub.add_parser("generate", help="one chat turn offline: print the text, write the speech")
     g.add_argument("model", nargs="?", default=None,

@@ -61,6 +61,8 @@ _priority = _rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and -
                   "must be an integer in [-5, 0] (lower runs first)")
 _interval = _rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100,
                   "must be a number of milliseconds in (0, 100]", float)
+_utilization = _rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
+                     "must be a fraction in (0, 1] of each device's memory", float)
 _placement = _rule(lambda v: v in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}")
 
 
@@ -74,7 +76,9 @@ def _sub(cls: type) -> Any:
 
 @dataclass(frozen=True)
 class StageConfig:
-    """`kv_cache_memory`: share of the device's total memory (<= 1) or bytes (> 1); `max_num_batched_tokens`:
+    """`kv_cache_memory`: bytes (an integer > 1), or (a fraction <= 1) the stage's relative share of what its
+    device's budget leaves after weights and CUDA graphs (pipeline/placement/memory.py); code2wav has no
+    paged KV cache and ignores it; `max_num_batched_tokens`:
     token budget of one step; replica i runs on `devices[i % len(devices)]`; `stream_priority`: the CUDA
     stream priority of its steps (stages share a GPU); `sampling`: default fields of SamplingParams
     (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
@@ -132,7 +136,9 @@ class DeployConfig:
     prompt tokens) that have not yet produced every output they asked for; past it a 429.
     `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray").
     `switch_interval_ms`: Python's thread switch interval in this process (stage threads share one GIL;
-    Python's default is 5 ms)."""
+    Python's default is 5 ms).
+    `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
+    processes hold (pipeline/placement/memory.py), as vLLM's flag of that name."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -142,6 +148,7 @@ class DeployConfig:
     max_waiting_tokens: int = _opt(262144, _positive_int)
     placement: str = _opt("local", _placement)
     switch_interval_ms: float = _opt(5.0, _interval)
+    gpu_memory_utilization: float = _opt(0.9, _utilization)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
@@ -182,18 +189,28 @@ def load_deploy_config(
     return build_deploy_config(deep_merge(data, {"stages": stages}) if stages else data, platform)
 
 
-def default_deploy_config(model_dir: str | Path) -> Path:
-    """The packaged deploy YAML for the checkpoint's config.json `model_type`."""
+def default_deploy_config(model_dir: str | Path, layout: str | None = None) -> Path:
+    """The packaged deploy YAML for the checkpoint's config.json `model_type`: `<model_type>.yaml`, or with a
+    `layout` (e.g. "80gb", "2x80gb") `<model_type>_<layout>.yaml`."""
     config_file = Path(model_dir) / "config.json"
     if not config_file.is_file():
         raise ConfigError(f"{config_file}: not found; cannot choose a deploy config")
     model_type = json.loads(config_file.read_text()).get("model_type")
-    path = DEPLOY_DIR / f"{model_type}.yaml"
+    path = DEPLOY_DIR / (f"{model_type}_{layout}.yaml" if layout else f"{model_type}.yaml")
     if not path.is_file():
         have = sorted(p.stem for p in DEPLOY_DIR.glob("*.yaml"))
-        raise ConfigError(f"no deploy config for model_type {model_type!r} (have: {', '.join(have)}); "
-                          "pass one with --deploy-config")
+        which = f"model_type {model_type!r}" + (f" and layout {layout!r}" if layout else "")
+        raise ConfigError(f"no deploy config for {which} (have: {', '.join(have)}); pass a deploy YAML or a "
+                          "packaged layout name with --deploy-config")
     return path
+
+
+def resolve_deploy_config(model_dir: str | Path, name: str | None) -> Path:
+    """`--deploy-config`: a YAML path, a packaged layout name ("80gb", "2x80gb"), or None (the default)."""
+    if name is None:
+        return default_deploy_config(model_dir)
+    path = Path(name)
+    return path if path.exists() or path.suffix or "/" in name else default_deploy_config(model_dir, name)
 
 
 def _build(cls: type, data: Any, path: str) -> Any:

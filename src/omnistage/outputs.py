@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 SAMPLE_RATE = 24000
+NO_AUDIO_OUTPUT = ("this model has no audio output (a thinker-only checkpoint: enable_audio_output is false "
+                   "in its config.json); ask for text only")
 
 
 @dataclass

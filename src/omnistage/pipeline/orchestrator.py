@@ -18,7 +18,7 @@ from omnistage.layers.sampling import request_seed
 from omnistage.media import MediaPolicy
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
-from omnistage.outputs import OutputDelta
+from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.input_checks import check_int64, check_text
@@ -65,7 +65,8 @@ class Orchestrator:
 
     @property
     def voices(self) -> list[str]:
-        return sorted(self.config.talker_config.speaker_id)
+        """The talker's speakers; none for a thinker-only checkpoint (enable_audio_output false)."""
+        return sorted(self.config.talker_config.speaker_id) if self.config.enable_audio_output else []
 
     def _to_talker(self, chunk: TextChunk) -> None:
         if chunk.request.aborted:
@@ -107,6 +108,8 @@ class Orchestrator:
         tp = from_dict(TalkerSamplingParams, talker_sampling)
         check_int64(sp, tp)
         voice = voice or "Ethan"
+        if want_audio and not self.config.enable_audio_output:
+            raise ValueError(NO_AUDIO_OUTPUT)
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
         need, room = len(prompt.input_ids) + sp.max_tokens, self.stages.thinker.kv_capacity
@@ -136,7 +139,7 @@ class Orchestrator:
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self._error!r}")
         if req.want_audio and not self.stages.talkers:
-            raise ValueError("this checkpoint has no audio output (enable_audio_output is false)")
+            raise ValueError(NO_AUDIO_OUTPUT)
         emit = req.emit
 
         def emit_and_forget(delta: OutputDelta) -> None:

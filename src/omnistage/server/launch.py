@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omnistage.config import PLACEMENTS, ConfigError, DeployConfig, default_deploy_config, load_deploy_config
+from omnistage.config import PLACEMENTS, ConfigError, DeployConfig, load_deploy_config, resolve_deploy_config
+from omnistage.pipeline.placement.memory import MemoryBudgetError
 from omnistage.platform import detect_platform
 from omnistage.server.media_args import add_media_args
 from omnistage.utils import deep_merge
@@ -83,12 +84,31 @@ def download(repo_id: str) -> Path:
 
 def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None,
                   device: str | None, overrides: dict | None = None) -> DeployConfig:
-    """The packaged config for the checkpoint's model_type unless `path`; its platform entry follows
+    """The packaged config for the checkpoint's model_type unless `path` (a YAML, or a packaged layout name:
+    "80gb", "2x80gb"); its platform entry follows
     `device` (cpu when the user asks for the CPU on an accelerator machine)."""
     platform = "cpu" if device is not None and device.startswith("cpu") else detect_platform()
     try:
-        return load_deploy_config(path or default_deploy_config(model_dir), platform, stage_overrides,
-                                  overrides)
+        path = resolve_deploy_config(model_dir, path)
+        return load_deploy_config(path, platform, stage_overrides, overrides)
+    except ConfigError as e:
+        raise LaunchError(str(e)) from None
+
+
+def generation_defaults(deploy: DeployConfig, model_dir: Path, source: str) -> DeployConfig:
+    """`deploy` with the default sampling of `--generation-config` (see `omnistage.generation_config`),
+    each stage's effective defaults logged."""
+    from omnistage.generation_config import (
+        describe_defaults,
+        read_generation_config,
+        with_generation_defaults,
+    )
+
+    try:
+        generation = read_generation_config(model_dir, source)
+        for line in describe_defaults(deploy, generation):
+            logger.info("%s", line)
+        return with_generation_defaults(deploy, generation)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
 
@@ -106,8 +126,8 @@ def json_object(text: str | None, flag: str) -> dict:
 
 def deploy_overrides(args: argparse.Namespace) -> dict:
     """Top-level deploy keys from the flags: --deploy-overrides, then the flags named after keys over it."""
-    flags = {k: getattr(args, k) for k in ("max_waiting_requests", "max_waiting_tokens", "placement")
-             if getattr(args, k) is not None}
+    keys = ("max_waiting_requests", "max_waiting_tokens", "placement", "gpu_memory_utilization")
+    flags = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     return deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), flags)
 
 
@@ -122,15 +142,20 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     source = resolve_model(args.model, args.served_model_name, args.load_format)
     deploy = deploy_config(source.path, args.deploy_config, args.stage_overrides, args.device,
                            deploy_overrides(args))
+    deploy = generation_defaults(deploy, source.path, args.generation_config)
     logger.info("serving %s from %s", source.name, source.path)
     if source.random_weights:
         logger.warning("%s: %s", source.name, RANDOM_WEIGHTS_NOTE)
     logger.info("deploy config: %s", deploy.describe())
-    engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
-                       load_format=args.load_format, media_policy=policy)
+    try:
+        engine = AsyncOmni(source.path, deploy=deploy, device=args.device, dtype=args.dtype,
+                           load_format=args.load_format, media_policy=policy)
+    except MemoryBudgetError as e:
+        raise LaunchError(str(e)) from None
     voices = engine.engine.voices
-    logger.info("voices: %s", ", ".join(voices))
-    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices}
+    logger.info("voices: %s", ", ".join(voices) or "none (no audio output: a thinker-only checkpoint)")
+    info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices,
+            "audio_output": bool(voices)}
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
@@ -157,11 +182,16 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=DEFAULT_PORT)
     p.add_argument("--served-model-name", default=None, help="the `model` clients send (default: MODEL)")
     p.add_argument("--deploy-config", default=None,
-                   help="deploy YAML (default: the packaged one for config.json's model_type)")
+                   help="deploy YAML, or a packaged layout: 80gb (one 80 GB GPU), 2x80gb (two) (default: the "
+                        "packaged one for config.json's model_type: one H200 / B200)")
     p.add_argument("--stage-overrides", default=None,
                    help='JSON keyed by stage, e.g. \'{"talker": {"max_batch_size": 16}}\'')
     p.add_argument("--deploy-overrides", default=None,
                    help='JSON of top-level deploy keys, e.g. \'{"async_chunk": false}\' (ablations)')
+    p.add_argument("--generation-config", default="auto", metavar="{auto,vllm,FOLDER}",
+                   help="default sampling from MODEL/generation_config.json (auto), "
+                        "FOLDER/generation_config.json, or none (vllm: the built-in defaults); the deploy "
+                        "config's stage sampling keys and the request's fields win over it")
     p.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
                    help="dummy: seeded random weights for the checkpoint's architecture")
     p.add_argument("--device", default=None,
@@ -172,6 +202,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="local: every stage replica in this process; ray: each in a Ray actor, GPUs from the "
                         "deploy `devices`, on the cluster at RAY_ADDRESS or a new local one (default: the "
                         "deploy config's placement)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="fraction of each GPU's memory this process may use, less what other processes hold; "
+                        "what weights and CUDA graphs leave goes to the KV caches (default: the deploy "
+                        "config's gpu_memory_utilization, 0.90)")
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $OMNISTAGE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
+from omnistage.outputs import NO_AUDIO_OUTPUT
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 from omnistage.server.audio_format import AudioFormat, check_format
 from omnistage.server.errors import bad_request
@@ -263,9 +264,13 @@ def talker_sampling_params(req: ChatCompletionRequest, defaults: dict) -> Talker
     return _build(TalkerSamplingParams, {**defaults, **given})
 
 
-def resolve_voice(voice: str, voices: Iterable[str], param: str = "audio.voice") -> str:
-    """The checkpoint's speaker name (lower case) for `voice`, matched case-insensitively."""
+def resolve_voice(voice: str, voices: Iterable[str], param: str = "audio.voice",
+                  asked_by: str | None = "modalities") -> str:
+    """The checkpoint's speaker name (lower case) for `voice`, matched case-insensitively. No voices: the
+    checkpoint has no audio output, and asking for audio (`asked_by`) is the error."""
     known = sorted(v.lower() for v in voices)
+    if not known:
+        raise bad_request(NO_AUDIO_OUTPUT, asked_by)
     if voice.lower() not in known:
         raise bad_request(f"{param}: unknown voice {voice!r}; available: {', '.join(known)}", param)
     return voice.lower()

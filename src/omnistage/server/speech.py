@@ -86,7 +86,7 @@ def install_speech(app: FastAPI, engine: EngineClient, model_name: str, deploy: 
     async def speech(req: OmniSpeechRequest, request: Request) -> Response:
         if req.model not in (None, model_name):
             raise model_not_found(req.model)
-        voice = resolve_voice(req.voice, voices, "voice")
+        voice = resolve_voice(req.voice, voices, "voice", asked_by=None)
         chat = req.as_chat()
         sampling = thinker_sampling_params(chat, deploy.stages.thinker.sampling)
         talker = talker_sampling_params(chat, deploy.stages.talker.sampling)

@@ -43,9 +43,11 @@ def hf_parameter_shapes(config: dict[str, Any]) -> list[tuple[str, tuple[int, ..
     return [(name, tuple(p.shape)) for name, p in model.named_parameters()]
 
 
-def generation_config(config: dict[str, Any]) -> dict[str, Any]:
-    eos = config["im_end_token_id"]
-    return {"bos_token_id": 151643, "eos_token_id": [eos, 151643], "pad_token_id": 151643}
+# The real Qwen3-Omni-30B-A3B-Instruct generation_config.json, whole: talker defaults, no thinker sampling.
+GENERATION_CONFIG = {"talker_max_new_tokens": 4096, "talker_repetition_penalty": 1.05,
+                     "talker_temperature": 0.9, "talker_top_k": 50, "talker_top_p": 1.0}
+# What a thinker-only variant (-Thinking, -Captioner) changes: no talker or code2wav, so no speech.
+THINKER_ONLY = {"enable_audio_output": False}
 
 
 def _write_json(path: Path, obj: dict[str, Any]) -> None:
@@ -66,21 +68,25 @@ def _shard_maker(params: list[tuple[str, tuple[int, ...]]], seed: int
 
 def make_tiny(out_dir: str | Path, seed: int = 0, preset: str = "tiny",
               overrides: dict[str, Any] | None = None, *,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, thinker_only: bool = False) -> Path:
     """Write config, generation config, safetensors (sharded past `max_shard_bytes`), tokenizer and
-    processor files into `out_dir`; `overrides` deep-merge into the preset's config."""
+    processor files into `out_dir`, the real repo's file set; `overrides` deep-merge into the preset's config.
+    `thinker_only`: a -Thinking/-Captioner-like folder (enable_audio_output false, no talker or code2wav)."""
     import transformers
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = deep_merge(preset_config(preset), overrides or {})
+    if thinker_only:
+        dropped = ("talker_config", "code2wav_config")
+        config = {k: v for k, v in config.items() if k not in dropped} | THINKER_ONLY
     # NOTE: without transformers_version, transformers 5.17 warns that the tokenizer has "an incorrect regex"
     config.update(dtype="float32", transformers_version=transformers.__version__)
     params = hf_parameter_shapes(config)
     groups = plan_shards([4 * torch.Size(shape).numel() for _, shape in params], max_shard_bytes)
     write_checkpoint(out, [_shard_maker([params[i] for i in g], seed) for g in groups])
     _write_json(out / "config.json", config)
-    _write_json(out / "generation_config.json", generation_config(config))
+    _write_json(out / "generation_config.json", GENERATION_CONFIG)
     write_processor_files(out, config)
     return out
 
@@ -95,14 +101,15 @@ def code_version() -> str:
     return digest.hexdigest()[:12]
 
 
-def tiny_checkpoint(preset: str = "tiny", seed: int = 0) -> Path:
+def tiny_checkpoint(preset: str = "tiny", seed: int = 0, thinker_only: bool = False) -> Path:
     """A make_tiny folder in omnistage's cache, written on first use (safe against concurrent writers)."""
-    path = cache_root() / "tiny" / f"{preset}-{seed}-{code_version()}"
+    kind = f"{preset}-thinker-only" if thinker_only else preset
+    path = cache_root() / "tiny" / f"{kind}-{seed}-{code_version()}"
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", dir=path.parent))
-    make_tiny(tmp, seed=seed, preset=preset)
+    make_tiny(tmp, seed=seed, preset=preset, thinker_only=thinker_only)
     try:
         os.rename(tmp, path)
     except OSError:  # another process finished first
@@ -115,14 +122,21 @@ def add_make_tiny_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
     parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-shard-mb", type=float, default=DEFAULT_MAX_SHARD_BYTES / 1000**2)
+    parser.add_argument("--thinker-only", action="store_true",
+                        help="text output only, like -Thinking/-Captioner (enable_audio_output false)")
     return parser
 
 
 def main_make_tiny(argv: list[str] | None = None) -> int:
-    """`omnistage make-tiny OUT_DIR [--preset tiny] [--seed 0] [--max-shard-mb 50]`."""
-    args = add_make_tiny_args(argparse.ArgumentParser(prog="omnistage make-tiny")).parse_args(argv)
+    """`omnistage make-tiny OUT_DIR [--preset tiny] [--seed 0] [--max-shard-mb 50] [--thinker-only]`."""
+    parser = add_make_tiny_args(argparse.ArgumentParser(prog="omnistage make-tiny"))
+    return run_make_tiny(parser.parse_args(argv))
+
+
+def run_make_tiny(args: argparse.Namespace) -> int:
     max_shard_bytes = int(args.max_shard_mb * 1e6)
-    out = make_tiny(args.out_dir, seed=args.seed, preset=args.preset, max_shard_bytes=max_shard_bytes)
+    out = make_tiny(args.out_dir, seed=args.seed, preset=args.preset, max_shard_bytes=max_shard_bytes,
+                    thinker_only=args.thinker_only)
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"wrote {out} ({size / 1e6:.1f} MB, preset={args.preset}, seed={args.seed})")
     return 0

@@ -1,9 +1,9 @@
 """Chat messages -> thinker prompt ids and encoder inputs, through the checkpoint's processor pieces.
 
 transformers' `Qwen3OmniMoeProcessor` cannot be built without torchvision (its video processor imports
-it), so its pieces are used directly: the tokenizer with its chat template, the WhisperFeatureExtractor,
-and the image processor for images and video frames (`visual_processing.py`). Placeholders expand as the
-processor expands them (audio-in-video interleaving included).
+it), so its pieces are used directly: the tokenizer with the folder's chat template (`load_tokenizer`),
+the WhisperFeatureExtractor, and the image processor for images and video frames (`visual_processing.py`).
+Placeholders expand as the processor expands them (audio-in-video interleaving included).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omnistage.media import MediaError, MediaItems, MediaPolicy, to_conversation
+from omnistage.models.qwen3_omni.processor_files import load_tokenizer
 from omnistage.models.qwen3_omni.rope_index import audio_token_count, merge_ranks
 from omnistage.models.qwen3_omni.visual_processing import VisualProcessor
 
@@ -44,10 +45,10 @@ class PromptInputs:
 
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None) -> None:
-        from transformers import AutoTokenizer, WhisperFeatureExtractor
+        from transformers import WhisperFeatureExtractor
 
         self.media_policy = media_policy or MediaPolicy()
-        self.tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        self.tokenizer = load_tokenizer(model_dir)
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
         self.visual = VisualProcessor(str(model_dir))
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]

@@ -61,7 +61,7 @@ def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> 
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(target.shape)}")
         target.copy_(tensor.to(device=device, dtype=target.dtype))
         seen.add(key)
-    missing = [k for k in _expected_keys(targets) if k not in seen]
+    missing = [k for k in _expected_keys(targets, seen) if k not in seen]
     if missing:
         raise KeyError(f"{stage}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[:5]}")
 
@@ -75,10 +75,12 @@ def _target(targets: dict[str, torch.Tensor], local: str) -> tuple[torch.Tensor 
     return (None if fused is None else slot.view(fused)), f"{base}.{slot.expert}.{slot.part}"
 
 
-def _expected_keys(targets: dict[str, torch.Tensor]) -> Iterator[str]:
+def _expected_keys(targets: dict[str, torch.Tensor], seen: set[str]) -> Iterator[str]:
     """Names a checkpoint must provide; a fused expert tensor is satisfied by itself or by all its slices."""
     for name, t in targets.items():
-        if name.endswith(".experts.gate_up_proj"):
+        if name in seen:
+            yield name
+        elif name.endswith(".experts.gate_up_proj"):
             base = name[: -len(".gate_up_proj")]
             yield from (f"{base}.{e}.{p}" for e in range(t.shape[0]) for p in ("gate", "up"))
         elif name.endswith(".experts.down_proj"):

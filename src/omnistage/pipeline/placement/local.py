@@ -1,6 +1,6 @@
 """Where each stage runs: its model built on its device (replica i of a stage on the deploy config's
-`devices[i % len(devices)]`), its KV cache sized from the deploy config, and its worker thread; or, with
-`placement: ray`, each replica in a Ray actor (pipeline/placement/ray.py) built by the same `build_replica`."""
+`devices[i % len(devices)]`), its KV cache sized to its device (sizing.py), and its worker thread; or, with
+`placement: ray`, each replica in a Ray actor (pipeline/placement/ray.py) built by the same code."""
 
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import torch
 from omnistage.config import DeployConfig, StageConfig
 from omnistage.models.qwen3_omni.model import build_stage, resolve_dtype
 from omnistage.pipeline.code2wav.stage import Code2WavStage
-from omnistage.pipeline.placement.stage_handle import LocalStage, StageHandles
+from omnistage.pipeline.placement.sizing import Key, build_sized, kv_shares, load_modules
+from omnistage.pipeline.placement.stage_handle import LocalStage, StageHandles, worker_name
 from omnistage.pipeline.talker.stage import TalkerStage
 from omnistage.pipeline.thinker.stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
@@ -35,25 +36,16 @@ class Placement:
     dtype: str | torch.dtype | None = None
     seed: int = 0
 
-    def build(self, name: str, replica: int = 0) -> tuple[StageConfig, torch.device, torch.dtype, torch.nn.Module]:
+    def place(self, name: str, replica: int = 0) -> tuple[torch.device, torch.dtype]:
         sc = self.deploy.stage(name)
         dev = torch.device(self.device) if self.device is not None else current_platform().device(
             sc.replica_devices[replica])
-        dt = resolve_dtype(self.dtype or sc.dtype, dev)
-        module = build_stage(self.config, name, model_dir=self.model_dir, load_format=self.load_format,
-                             device=dev, dtype=dt, seed=self.seed)
-        return sc, dev, dt, module
+        return dev, resolve_dtype(self.dtype or sc.dtype, dev)
 
-
-def num_blocks(stage: StageConfig, module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> int:
-    cfg = module.model.config
-    per_block = 2 * cfg.num_hidden_layers * stage.block_size * cfg.num_key_value_heads * cfg.head_dim
-    per_block *= torch.tensor([], dtype=dtype).element_size()
-    budget = stage.kv_cache_memory
-    if isinstance(budget, float):
-        total = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else 8 << 30
-        budget = int(total * budget)
-    return max(8, budget // per_block)
+    def build(self, name: str, replica: int = 0) -> torch.nn.Module:
+        dev, dt = self.place(name, replica)
+        return build_stage(self.config, name, model_dir=self.model_dir, load_format=self.load_format,
+                           device=dev, dtype=dt, seed=self.seed)
 
 
 def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) -> None:
@@ -70,10 +62,6 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
         stage.prefill.capture()
 
 
-def worker_name(stage: str, replica: int, replicas: int) -> str:
-    return stage if replicas == 1 else f"{stage}{replica}"
-
-
 def replica_names(p: Placement) -> list[tuple[str, int, str]]:
     """(stage, replica, worker name) of every stage replica, thinker first (no talker and code2wav
     without audio output)."""
@@ -82,31 +70,48 @@ def replica_names(p: Placement) -> list[tuple[str, int, str]]:
             for name in names for i in range(p.deploy.stage(name).replicas)]
 
 
-def build_replica(p: Placement, name: str, replica: int = 0, to_next: Callable | None = None, *,
-                  tokenizer: Any = None, tts: torch.Tensor | None = None
-                  ) -> tuple[ThinkerStage | TalkerStage | Code2WavStage, torch.device]:
-    """One stage replica on its device, its CUDA graphs captured. `to_next` takes its payloads (thinker ->
-    talker -> code2wav); the thinker needs `tokenizer`, the talker the thinker's `tts_embeds`."""
-    sc, dev, dt, module = p.build(name, replica)
+def build_replica(p: Placement, name: str, replica: int, module: torch.nn.Module, num_blocks: int,
+                  to_next: Callable | None = None, *, tokenizer: Any = None, tts: torch.Tensor | None = None
+                  ) -> ThinkerStage | TalkerStage | Code2WavStage:
+    """One stage replica of a loaded `module` with `num_blocks` KV blocks, its CUDA graphs captured. `to_next`
+    takes its payloads (thinker -> talker -> code2wav); the thinker needs `tokenizer`, the talker the
+    thinker's `tts_embeds`."""
+    sc, (dev, dt) = p.deploy.stage(name), p.place(name, replica)
     # NOTE: graphs are captured on the current device's streams and pool: make it the replica's.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
-        stage = _stage(p, name, sc, dev, dt, module, to_next, tokenizer, tts)
+        stage = _stage(p, name, sc, module, num_blocks, to_next, tokenizer, tts)
         capture(stage, sc)
-    return stage, dev
+    return stage
 
 
-def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torch.dtype,
-           module: torch.nn.Module, to_next: Callable | None, tokenizer: Any, tts: torch.Tensor | None
+def build_sized_replicas(p: Placement, keys: list[Key], shares: dict[Key, float | int],
+                         to_next: dict[str, Callable], *, tokenizer: Any = None,
+                         tts: torch.Tensor | None = None
+                         ) -> dict[Key, ThinkerStage | TalkerStage | Code2WavStage]:
+    """The stage replicas `keys`, their KV caches sized to their devices (`sizing.py`). `tts`: the talker's
+    (None: taken from the thinker among `keys`)."""
+    loaded = load_modules(p, keys)
+    if tts is None and p.config.enable_audio_output and ("thinker", 0) in loaded.modules:
+        tts = tts_embeds(p, loaded.modules[("thinker", 0)])
+
+    def make(name: str, i: int, module: torch.nn.Module, blocks: int) -> Any:
+        return build_replica(p, name, i, module, blocks, to_next.get(name), tokenizer=tokenizer, tts=tts)
+
+    return build_sized(p, loaded, shares, make)
+
+
+def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, num_blocks: int,
+           to_next: Callable | None, tokenizer: Any, tts: torch.Tensor | None
            ) -> ThinkerStage | TalkerStage | Code2WavStage:
     if name == "thinker":
         stage = ThinkerStage(module, p.config, tokenizer, to_next, max_batch_size=sc.max_batch_size,
                              max_num_batched_tokens=sc.max_num_batched_tokens,
-                             num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
+                             num_blocks=num_blocks, block_size=sc.block_size,
                              cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
                              prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
-                            num_blocks=num_blocks(sc, module, dev, dt), block_size=sc.block_size,
+                            num_blocks=num_blocks, block_size=sc.block_size,
                             cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
                             prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output)
     else:
@@ -119,24 +124,23 @@ def _stage(p: Placement, name: str, sc: StageConfig, dev: torch.device, dt: torc
     return stage
 
 
-def tts_embeds(p: Placement, thinker: ThinkerStage) -> torch.Tensor:
+def tts_embeds(p: Placement, thinker: torch.nn.Module) -> torch.Tensor:
     """The thinker's embeddings of tts_bos, tts_eos and tts_pad, which every talker replica needs."""
     ids = [p.config.tts_bos_token_id, p.config.tts_eos_token_id, p.config.tts_pad_token_id]
-    return thinker.thinker.model.embed_tokens(torch.tensor(ids, device=thinker.device))
+    return thinker.model.embed_tokens(torch.tensor(ids, device=next(thinker.parameters()).device))
 
 
 def build_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
                  on_error: Callable[[BaseException], None]) -> StageHandles:
     """Every stage replica in this process, each with its worker thread (not started yet)."""
-    handles: list[tuple[str, LocalStage]] = []
-    tts = None
-    for name, i, wname in replica_names(p):
-        to_next = {"thinker": to_talker, "talker": to_code2wav}.get(name)
-        stage, dev = build_replica(p, name, i, to_next, tokenizer=tokenizer, tts=tts)
-        if name == "thinker" and p.config.enable_audio_output:
-            tts = tts_embeds(p, stage)
-        handles.append((name, LocalStage(replica_worker(p, name, wname, stage, dev, on_error))))
-    return StageHandles.of(handles)
+    names = replica_names(p)
+    keys = [(name, i) for name, i, _ in names]
+    devices = {k: p.place(*k)[0] for k in keys}
+    to_next = {"thinker": to_talker, "talker": to_code2wav}
+    stages = build_sized_replicas(p, keys, kv_shares(p, devices), to_next, tokenizer=tokenizer)
+    workers = [replica_worker(p, name, wname, stages[name, i], devices[name, i], on_error)
+               for name, i, wname in names]
+    return StageHandles.of([(name, LocalStage(w)) for (name, _, _), w in zip(names, workers)])
 
 
 def replica_worker(p: Placement, name: str, wname: str, stage: Any, device: torch.device,

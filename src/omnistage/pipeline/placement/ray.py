@@ -28,7 +28,7 @@ from omnistage.outputs import Usage
 from omnistage.pipeline.connector import Inbox
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.placement.local import Placement, replica_names
-from omnistage.pipeline.placement.ray_actor import StageActor, request_spec
+from omnistage.pipeline.placement.ray_actor import StageActor, build_order, request_spec
 from omnistage.pipeline.placement.stage_handle import StageHandles
 from omnistage.platform import current_platform
 
@@ -200,11 +200,16 @@ def build_ray_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2
         name, i, wname = replicas[k]
         return StageActor.options(**options[k]).remote(actor_p, name, i, wname, **kwargs)
 
-    # NOTE: the talkers need the thinker's tts embeddings; code2wav builds meanwhile.
-    actors = {k: start(k, tokenizer=tokenizer) if k == 0 else start(k)
-              for k in range(len(replicas)) if replicas[k][0] != "talker"}
-    tts = ray.get(actors[0].tts_embeds.remote()) if p.config.enable_audio_output else None
-    actors |= {k: start(k, tts=tts) for k in range(len(replicas)) if replicas[k][0] == "talker"}
+    # NOTE: one actor at a time, in `build_order`: each sizes its KV cache from what its GPU has left when it
+    # starts (pipeline/placement/sizing.py); the talkers need the thinker's tts embeddings.
+    actors, tts = {}, None
+    for name, i, wname in build_order(replicas):
+        k = replicas.index((name, i, wname))
+        kwargs = {"tokenizer": tokenizer} if name == "thinker" else {"tts": tts} if name == "talker" else {}
+        actors[k] = start(k, **kwargs)
+        ray.get(actors[k].info.remote())
+        if name == "thinker" and p.config.enable_audio_output:
+            tts = ray.get(actors[k].tts_embeds.remote())
     to_next = {"thinker": to_talker, "talker": to_code2wav}
     # NOTE: the orchestrator stops its stages in order: the GPUs are freed after the last actor is gone.
     return StageHandles.of([(name, RayStage(actors[k], wname, to_next.get(name), on_error, lookup,

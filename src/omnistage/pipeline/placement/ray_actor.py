@@ -1,6 +1,8 @@
 """The actor side of `placement: ray`: one stage replica in a Ray actor, built by `placement.build_replica`
 and driven by its own `StageWorker` thread, as in the local placement.
 
+Its KV cache is sized by `sizing.py` as in the local placement, with a per-actor budget (see `__init__`).
+
 A request reaches the actor once as a plain copy (`request_spec`), then its payloads by id. What the
 stage does to a request (output deltas, a part done, payloads for the next stage, failures) queues as an
 `Event` in the actor's outbox, which the driver's `RayStage` pump drains and dispatches to the driver's
@@ -18,7 +20,9 @@ import torch
 
 from omnistage.engine.request import Request
 from omnistage.pipeline.connector import Inbox
-from omnistage.pipeline.placement.local import Placement, build_replica, replica_worker, tts_embeds
+from omnistage.pipeline.placement.local import (
+    Placement, build_sized_replicas, replica_names, replica_worker, tts_embeds)
+from omnistage.pipeline.placement.sizing import kv_shares
 from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 
 # The Request fields the stages read: a request's plain copy in an actor is built from these.
@@ -28,6 +32,12 @@ SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "v
 # "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead" (payload: the
 # error's repr; "dead" has no request).
 Event = tuple[str, str | None, Any, Any, str | None]
+
+
+def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
+    """The order actors are built in: code2wav (no KV cache) first, then the thinker, the talkers last."""
+    rank = {"code2wav": 0, "thinker": 1, "talker": 2}
+    return sorted(replicas, key=lambda r: rank[r[0]])
 
 
 def request_spec(req: Request) -> dict[str, Any]:
@@ -57,8 +67,14 @@ class StageActor:
         self.p = p
         self.outbox: Inbox[Event] = Inbox(threading.Event())
         self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
-        to_next = None if name == "code2wav" else self._to_next
-        self.stage, device = build_replica(p, name, replica, to_next, tokenizer=tokenizer, tts=tts)
+        # NOTE: a per-actor budget: of what its GPU has left when it starts, its share among the replicas on
+        # its deploy device index still to be built (in `build_order`, one after another): the last takes all.
+        order = [(n, i) for n, i, _ in build_order(replica_names(p))]
+        key = (name, replica)
+        groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i in order[order.index(key):]}
+        self.stage = build_sized_replicas(p, [key], kv_shares(p, groups), {name: self._to_next},
+                                          tokenizer=tokenizer, tts=tts)[key]
+        device = p.place(name, replica)[0]
         self.worker = replica_worker(p, name, worker_name, self.stage, device, self._on_error)
 
     def info(self) -> dict[str, Any]:
@@ -66,7 +82,7 @@ class StageActor:
 
     def tts_embeds(self) -> torch.Tensor:
         """The thinker actor's tts embeddings, for the talker actors."""
-        return tts_embeds(self.p, self.stage).to("cpu", copy=True)
+        return tts_embeds(self.p, self.stage.thinker).to("cpu", copy=True)
 
     def start(self) -> None:
         self.worker.start()

@@ -33,6 +33,10 @@ class StageHandle(Protocol):
     def stop(self) -> None: ...
 
 
+def worker_name(stage: str, replica: int, replicas: int) -> str:
+    return stage if replicas == 1 else f"{stage}{replica}"
+
+
 def worker_stats(w: StageWorker) -> dict[str, int | float]:
     """A stage's stats with its worker's counters (and its CUDA graphs' GPU time, where it has graphs):
     what `Orchestrator.stats` reports per stage."""

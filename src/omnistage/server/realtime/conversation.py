@@ -95,6 +95,18 @@ class Item:
         self.deltas.append((text, tokens))
         self.parts[0].text = self.text
 
+    def audio_cut(self, content_index: int, audio_end_ms: int) -> int:
+        """The samples conversation.item.truncate keeps of this answer; a RealtimeError if it cannot."""
+        if self.role != "assistant" or content_index >= len(self.parts) \
+                or self.parts[content_index].type != "output_audio" or not self.audio_samples:
+            raise RealtimeError("content_index: only an assistant item's output_audio (an answer of this "
+                                "session) can be truncated.", "content_index")
+        samples = audio_end_ms * SAMPLE_RATE // 1000
+        if samples > self.audio_samples:
+            raise RealtimeError(f"audio_end_ms: {audio_end_ms} ms is longer than the item's audio "
+                                f"({self.audio_samples * 1000 // SAMPLE_RATE} ms).", "audio_end_ms")
+        return samples
+
     def truncate(self, samples: int) -> None:
         """Keep the audio's first `samples` and the text of its first ceil(samples / frame) tokens."""
         keep, kept = math.ceil(samples / SAMPLES_PER_FRAME), []

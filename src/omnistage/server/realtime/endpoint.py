@@ -12,8 +12,6 @@ import asyncio
 import json
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
-
 from fastapi import FastAPI, WebSocket
 
 from omnistage.config import DeployConfig
@@ -22,10 +20,8 @@ from omnistage.server.realtime.events import RealtimeError, error_event
 from omnistage.server.realtime.session import RealtimeSession, SessionContext
 from omnistage.server.realtime.settings import TurnDetection
 from omnistage.server.realtime.transcripts import TranscriptStore
+from omnistage.server.realtime.vad import ServerVad, TurnDetector, VadEngine
 from omnistage.server.serving import EngineClient
-
-if TYPE_CHECKING:
-    from omnistage.server.realtime.vad import TurnDetector, VadEngine
 
 logger = logging.getLogger(__name__)
 SEND_QUEUE = 256  # server events waiting for a socket
@@ -39,8 +35,6 @@ class Vad:
         self.engine: VadEngine | None = None
 
     def detector(self, settings: TurnDetection) -> TurnDetector:
-        from omnistage.server.realtime.vad import ServerVad, VadEngine
-
         if self.engine is None:
             self.engine = VadEngine()
         return self.engine.detector(ServerVad(**settings.model_dump(exclude={"type"})))

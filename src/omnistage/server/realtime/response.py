@@ -9,15 +9,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from omnistage.outputs import OutputDelta, Usage
 from omnistage.server.audio_format import to_pcm16
 from omnistage.server.errors import OpenAIError
-from omnistage.server.realtime.conversation import Conversation, Item
-from omnistage.server.realtime.events import new_id, server_event
-from omnistage.server.realtime.settings import Resolved
+from omnistage.config import DeployConfig
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.server.realtime.conversation import Conversation, Item, Part, chat_messages, item_from
+from omnistage.server.realtime.events import RealtimeError, ResponseParams, new_id, server_event
+from omnistage.server.realtime.settings import Resolved, SessionSettings
 
 logger = logging.getLogger(__name__)
 Emit = Callable[[dict], Awaitable[None]]
@@ -131,6 +133,26 @@ class Response:
         if self.conversation is None:
             return []
         return [server_event(kind, previous_item_id=self.previous_item_id, item=self.item.api())]
+
+
+def new_response(settings: SessionSettings, params: ResponseParams, conversation: Conversation,
+                 voices: Sequence[str], deploy: DeployConfig
+                 ) -> tuple[Response, list[dict], SamplingParams, TalkerSamplingParams | None]:
+    """A response to response.create's `params`, its prompt (the conversation's messages, or `input`'s) and
+    its sampling."""
+    resolved = Resolved(settings, params, voices)
+    sampling, talker = resolved.sampling(deploy)
+    items = conversation.items if params.input is None else [
+        item_from(item, f"response.input[{i}]") for i, item in enumerate(params.input)]
+    messages = chat_messages(resolved.instructions, items)
+    if not messages:
+        raise RealtimeError("The conversation is empty: add an item or send input before response.create.",
+                            None, "conversation_empty")
+    part = Part("output_audio" if resolved.wants_audio else "output_text")
+    item = Item(new_id("item"), "assistant", [part], status="in_progress")
+    response = Response(resolved, item, None if params.conversation == "none" else conversation,
+                        params.metadata)
+    return response, messages, sampling, talker
 
 
 async def play(response: Response, start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]],

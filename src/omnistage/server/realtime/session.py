@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -22,29 +21,14 @@ from omnistage.config import DeployConfig
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime import events as ev
-from omnistage.server.realtime.conversation import (
-    Conversation,
-    Item,
-    Part,
-    chat_messages,
-    decode_pcm,
-    item_from,
-)
+from omnistage.server.realtime.conversation import Conversation, Item, Part, decode_pcm, item_from
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
-from omnistage.server.realtime.response import Emit, Response, play
-from omnistage.server.realtime.settings import (
-    Resolved,
-    SessionSettings,
-    TurnDetection,
-    session_object,
-    updated,
-)
+from omnistage.server.realtime.response import Emit, Response, new_response, play
+from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
+from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 from omnistage.server.serving import EngineClient, start_request
-
-if TYPE_CHECKING:
-    from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
 
@@ -66,7 +50,7 @@ class RealtimeSession:
     def __init__(self, ctx: SessionContext, emit: Emit) -> None:
         self.ctx, self._send = ctx, emit
         self.id = new_id("sess")
-        self.settings = updated(SessionSettings(), {}, ctx.voices, ctx.model_name)  # the voice as spelt here
+        self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
         self.response: Response | None = None
         self.closed = False
@@ -186,14 +170,7 @@ class RealtimeSession:
     async def _truncate(self, event: ev.ItemTruncate) -> None:
         """Cut an answer to what the user heard: `audio_end_ms` of its audio and the matching transcript."""
         item = self.conversation.get(event.item_id)
-        if item.role != "assistant" or event.content_index >= len(item.parts) \
-                or item.parts[event.content_index].type != "output_audio" or not item.audio_samples:
-            raise RealtimeError("content_index: only an assistant item's output_audio (an answer of this "
-                                "session) can be truncated.", "content_index")
-        samples = event.audio_end_ms * SAMPLE_RATE // 1000
-        if samples > item.audio_samples:
-            raise RealtimeError(f"audio_end_ms: {event.audio_end_ms} ms is longer than the item's audio "
-                                f"({item.audio_samples * 1000 // SAMPLE_RATE} ms).", "audio_end_ms")
+        samples = item.audio_cut(event.content_index, event.audio_end_ms)
         if self.response is not None and self.response.item is item:
             await self._cancel("client_cancelled")
         item.truncate(samples)
@@ -211,18 +188,8 @@ class RealtimeSession:
             raise RealtimeError(f"Conversation already has an active response in progress: "
                                 f"{self.response.id}. Wait until the response is finished before creating a "
                                 "new one.", None, "conversation_already_has_active_response")
-        resolved = Resolved(self.settings, params, self.ctx.voices)
-        sampling, talker = resolved.sampling(self.ctx.deploy)
-        items = self.conversation.items if params.input is None else [
-            item_from(item, f"response.input[{i}]") for i, item in enumerate(params.input)]
-        messages = chat_messages(resolved.instructions, items)
-        if not messages:
-            raise RealtimeError("The conversation is empty: add an item or send input before "
-                                "response.create.", None, "conversation_empty")
-        part = Part("output_audio" if resolved.wants_audio else "output_text")
-        item = Item(new_id("item"), "assistant", [part], status="in_progress")
-        conversation = None if params.conversation == "none" else self.conversation
-        self.response = Response(resolved, item, conversation, params.metadata)
+        self.response, messages, sampling, talker = new_response(self.settings, params, self.conversation,
+                                                                 self.ctx.voices, self.ctx.deploy)
         await self._emit(server_event("response.created", response=self.response.api()))
         self._start_response(self.response, messages, sampling, talker)
 

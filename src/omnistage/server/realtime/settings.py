@@ -15,6 +15,7 @@ from typing import Literal
 from pydantic import Field, ValidationError, field_validator
 
 from omnistage.config import DeployConfig
+from omnistage.outputs import NO_AUDIO_OUTPUT
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.errors import OpenAIError
 from omnistage.server.protocol import (
@@ -96,8 +97,18 @@ def updated(settings: SessionSettings, patch: dict, voices: Sequence[str],
     if new.model not in (None, model_name):
         raise RealtimeError(f"session.model: the model `{new.model}` does not exist.", "session.model",
                             "model_not_found")
-    new.audio.output.voice = voice(new.audio.output.voice, voices, "session.audio.output.voice")
+    if voices:
+        new.audio.output.voice = voice(new.audio.output.voice, voices, "session.audio.output.voice")
+    elif new.output_modalities == ["audio"]:
+        raise RealtimeError(NO_AUDIO_OUTPUT, "session.output_modalities")
     return new
+
+
+def initial(voices: Sequence[str], model_name: str) -> SessionSettings:
+    """A new session's settings: audio out in this checkpoint's spelling of the default voice; text out
+    when the checkpoint has no audio output."""
+    return updated(SessionSettings(output_modalities=["audio"] if voices else ["text"]), {}, voices,
+                   model_name)
 
 
 def voice(name: str, voices: Sequence[str], param: str) -> str:
@@ -126,7 +137,9 @@ class Resolved:
                 raise invalid(e, ("response", "audio", "output", "format")) from None
         self.instructions = settings.instructions if params.instructions is None else params.instructions
         self.modalities = params.output_modalities or settings.output_modalities
-        self.voice = (voice(out.voice, voices, "response.audio.output.voice") if out and out.voice
+        if self.wants_audio and not voices:
+            raise RealtimeError(NO_AUDIO_OUTPUT, "response.output_modalities")
+        self.voice = (voice(out.voice, voices, "response.audio.output.voice") if out and out.voice and voices
                       else settings.audio.output.voice)
         self.max_output_tokens = (settings.max_output_tokens if params.max_output_tokens is None
                                   else params.max_output_tokens)
