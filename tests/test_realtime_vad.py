@@ -65,7 +65,7 @@ def test_batched_equals_sequential_silero(engine, silero_model, monkeypatch):
     windows = [[w[i:i + 512] for i in range(0, w.size - 511, 512)] for w in map(to_16k, clips)]
     steps = []
     step = VadEngine._step
-    monkeypatch.setattr(VadEngine, "_step", lambda self, m: steps.append(len(self._pending)) or step(self, m))
+    monkeypatch.setattr(VadEngine, "_step", lambda self, m, tick: steps.append(len(self._pending)) or step(self, m, tick))
 
     async def submit(*streams_windows):
         return await asyncio.gather(*[engine.submit(_Stream(), ws) for ws in streams_windows])
@@ -96,8 +96,9 @@ def reference_turns(silero_model, wav16: np.ndarray, params: ServerVad) -> list[
     spans = silero_vad.get_speech_timestamps(torch.from_numpy(wav16), silero_model, threshold=params.threshold,
                                              min_silence_duration_ms=params.silence_duration_ms,
                                              speech_pad_ms=0, min_speech_duration_ms=0)
-    return [e for s in spans for e in (TurnEvent("speech_started", max(0, s["start"] // 16 - params.prefix_padding_ms)),
-                                       TurnEvent("speech_stopped", s["end"] // 16))]
+    return [e for s in spans
+            for e in (TurnEvent("speech_started", max(0, s["start"] // 16 - params.prefix_padding_ms)),
+                      TurnEvent("speech_stopped", s["end"] // 16))]
 
 
 @pytest.mark.parametrize("name", ["question_2s", "question_5s", "question_20s"])
@@ -107,7 +108,8 @@ def test_turns_match_get_speech_timestamps(engine, silero_model, name):
     events = feed_all(engine, pcm24, params, seed=1)
     assert [e.type for e in events] == ["speech_started", "speech_stopped"]
     assert events == reference_turns(silero_model, to_16k(pcm24), params)  # the same 16 kHz audio: exact
-    clip16 = np.concatenate([np.zeros(8000, np.float32), speech_clip(name, 16000) / 32768.0, np.zeros(16000, np.float32)])
+    clip16 = np.concatenate([np.zeros(8000, np.float32), speech_clip(name, 16000) / 32768.0,
+                             np.zeros(16000, np.float32)])
     for ours, theirs in zip(events, reference_turns(silero_model, clip16.astype(np.float32), params)):
         assert abs(ours.audio_ms - theirs.audio_ms) <= 32  # the original 16 kHz clip: within a window
 
@@ -145,7 +147,7 @@ def test_idle_sessions_share_calls(engine, monkeypatch):
     """64 sessions streaming silence in 20 ms appends at real time: about one model call per 32 ms."""
     steps = []
     step = VadEngine._step
-    monkeypatch.setattr(VadEngine, "_step", lambda self, m: steps.append(len(self._pending)) or step(self, m))
+    monkeypatch.setattr(VadEngine, "_step", lambda self, m, tick: steps.append(len(self._pending)) or step(self, m, tick))
     chunk = np.zeros(480, np.int16)
 
     async def session(det):
@@ -158,3 +160,29 @@ def test_idle_sessions_share_calls(engine, monkeypatch):
     run(go())
     windows = 64 * (50 * 320 // 512)
     assert sum(steps) >= windows - 64 and len(steps) < windows / 8
+
+
+def test_a_failed_call_fails_its_feeds_only(monkeypatch):
+    eng = VadEngine()
+    step, calls = VadEngine._step, []
+
+    def failing_once(self, model, tick):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+        return step(self, model, tick)
+
+    monkeypatch.setattr(VadEngine, "_step", failing_once)
+
+    async def go():
+        det = eng.detector(ServerVad())
+        with pytest.raises(RuntimeError, match="boom"):
+            await det.feed(spoken(0.1))
+        return [e for p in pieces(spoken(0.3, "question_2s", 1.0), 7, 480, 961) for e in await det.feed(p)]
+
+    try:
+        assert [e.type for e in run(go())] == ["speech_started", "speech_stopped"]
+    finally:
+        eng.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        run(eng.detector(ServerVad()).feed(spoken(0.1)))

@@ -37,7 +37,8 @@ def session_patch(args, ignore_eos: bool) -> dict:
            "silence_duration_ms": args.silence_ms, "create_response": True, "interrupt_response": True}
     max_tokens = args.max_tokens or (RANDOM_WEIGHTS_MAX_TOKENS if args.random_weights else None)
     patch = {"type": "realtime", "output_modalities": ["audio"],
-             "audio": {"input": {"format": PCM, "turn_detection": vad}, "output": {"format": PCM, "voice": args.voice}},
+             "audio": {"input": {"format": PCM, "turn_detection": vad},
+                       "output": {"format": PCM, "voice": args.voice}},
              "max_output_tokens": max_tokens or "inf"}
     if args.max_frames:
         patch["max_audio_frames"] = args.max_frames
@@ -112,7 +113,8 @@ class Session:
             live.turn.vad_stop = now
             self._wait_response.append(live)
         elif kind == "response.created":
-            self._by_response[ev["response"]["id"]] = self._wait_response.popleft() if self._wait_response else _Live()
+            live = self._wait_response.popleft() if self._wait_response else _Live()
+            self._by_response[ev["response"]["id"]] = live
         elif kind == "response.output_audio.delta":
             live = self._by_response[ev["response_id"]]
             live.turn.deltas.append((now, len(base64.b64decode(ev["delta"])) // 2))
@@ -199,13 +201,16 @@ async def _row(args, model: str | None, sessions: int, clip: str, turns: int) ->
 async def idle_sessions(args, model: str | None):
     """`args.idle_sessions` sessions streaming silence while the block runs."""
     stop = asyncio.Event()
+    ready = [asyncio.Event() for _ in range(args.idle_sessions)]
 
-    async def idle() -> None:
+    async def idle(up: asyncio.Event) -> None:
         async with connect(args, model):
+            up.set()
             await stop.wait()
 
-    tasks = [asyncio.create_task(idle()) for _ in range(args.idle_sessions)]
+    tasks = [asyncio.create_task(idle(up)) for up in ready]
     try:
+        await asyncio.wait_for(asyncio.gather(*[up.wait() for up in ready]), 60)  # all connected first
         yield
     finally:
         stop.set()
@@ -228,7 +233,8 @@ def _print_row(row: dict) -> None:
     def f(key: str) -> str:
         return "-" if row.get(key) is None else f"{row[key]:.0f}"
 
-    print(f"realtime {row['clip']} sessions={row['concurrency']}: {row['num_turns']} turns, {row['failed']} failed, "
-          f"speech end -> VAD {f('mean_speech_end_to_vad_ms')} ms, VAD -> audio {f('mean_vad_to_first_audio_ms')} ms "
-          f"(p90 {f('p90_vad_to_first_audio_ms')}), barge-in -> silence {f('mean_barge_in_to_silence_ms')} ms",
+    print(f"realtime {row['clip']} sessions={row['concurrency']}: {row['num_turns']} turns, "
+          f"{row['failed']} failed, speech end -> VAD {f('mean_speech_end_to_vad_ms')} ms, "
+          f"VAD -> audio {f('mean_vad_to_first_audio_ms')} ms (p90 {f('p90_vad_to_first_audio_ms')}), "
+          f"barge-in -> silence {f('mean_barge_in_to_silence_ms')} ms",
           file=sys.stderr)

@@ -53,10 +53,12 @@ class Turn:
     def values(self) -> dict[str, list[float]]:
         first = self.deltas[0][0]
         out = {"speech_end_to_vad": [self.vad_stop - self.speech_end],
-               "vad_to_first_audio": [first - self.vad_stop], "speech_end_to_first_audio": [first - self.speech_end]}
+               "vad_to_first_audio": [first - self.vad_stop],
+               "speech_end_to_first_audio": [first - self.speech_end]}
         if self.barge_send is None:
             count, stalled = self.stalls()
-            out.update(rtf=[(self.deltas[-1][0] - self.vad_stop) / self.audio_s], stall_s=[stalled], stalls=[count])
+            rtf = (self.deltas[-1][0] - self.vad_stop) / self.audio_s
+            out.update(rtf=[rtf], stall_s=[stalled], stalls=[count])
         else:
             out["barge_in_to_silence"] = [max(0.0, self.deltas[-1][0] - self.barge_send)]
         return out

@@ -106,7 +106,8 @@ def markdown(results: dict) -> str:
               f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in sorted(chat, key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"], r["concurrency"])):
+    for row in sorted(chat, key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"],
+                                           r["concurrency"])):
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
     lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
                    "is its batch size and TTFT = TTFP = E2E.")]
@@ -115,7 +116,8 @@ def markdown(results: dict) -> str:
 
 def _realtime_lines(rows: list[dict]) -> list[str]:
     """The realtime rows (bench/realtime_metrics.py says what each time is)."""
-    rows = sorted((r for r in rows if _is_realtime(r)), key=lambda r: (r["clip"], r["idle_sessions"], r["concurrency"]))
+    rows = sorted((r for r in rows if _is_realtime(r)),
+                  key=lambda r: (r["clip"], r["idle_sessions"], r["concurrency"]))
     if not rows:
         return []
     lines = ["", "Realtime sessions (per turn; end = the speech's last append sent, VAD = speech_stopped received, "

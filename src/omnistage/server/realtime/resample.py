@@ -1,8 +1,8 @@
 """24 kHz -> 16 kHz polyphase resampling of a stream, fed in pieces of any length.
 
-Output sample n is scipy's `resample_poly(x, 2, 3)[n]` of the whole stream (same filter, same alignment): it is
-emitted once every input sample its filter reaches has arrived, so the output never depends on how the input
-was cut (the stream's last ~10 samples wait for more input instead of being zero-padded).
+Output sample n is scipy's `resample_poly(x, 2, 3)[n]` of the whole stream (same filter, same alignment):
+it is emitted once every input sample its filter reaches has arrived, so the output never depends on how the
+input was cut (the stream's last ~10 samples wait for more input instead of being zero-padded).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ TAPS = firwin(2 * HALF_LEN + 1, 1.0 / DOWN, window=("kaiser", 5.0)) * UP
 
 
 class StreamResampler:
-    """y[n] = sum_k TAPS[k] * u[3n + HALF_LEN - k], with u the input upsampled by 2 (zeros between samples)."""
+    """y[n] = sum_k TAPS[k] * u[3n + HALF_LEN - k], u the input upsampled by 2 (zeros between samples)."""
 
     def __init__(self) -> None:
         # NOTE: the kept input always starts at a multiple of DOWN, so upfirdn's output grid is the stream's.

@@ -9,6 +9,7 @@ period, one model call on the oldest pending window of every detector that has o
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import deque
@@ -19,14 +20,16 @@ import torch
 
 from omnistage.server.realtime.resample import StreamResampler
 
+logger = logging.getLogger(__name__)
 RATE = 16000
 WINDOW = 512  # samples at 16 kHz: 32 ms
 CONTEXT = 64  # samples of the previous window silero prepends
 STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
-# NOTE: a call waits for every stream fed in the last ACTIVE_S (sessions streaming in real time) to have a window,
-# but no window waits longer than MAX_WAIT_S: N real-time sessions cost ~1 call per 32 ms, a lone one waits not at all.
+# NOTE: a call waits for every stream fed in the last ACTIVE_S (sessions streaming in real time) to have a
+# window, but no window waits longer than MAX_WAIT_S: N real-time sessions cost ~1 call per 32 ms, and a lone
+# one (or sessions sending faster than real time) waits not at all.
 MAX_WAIT_S = WINDOW / RATE
-ACTIVE_S = 2 * WINDOW / RATE
+ACTIVE_S = 0.25  # longer than a client's usual append (20-200 ms), so sessions in real time count as fed lately
 NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
 
 
@@ -47,7 +50,7 @@ class TurnEvent:
     audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
-@dataclass
+@dataclass(eq=False)
 class _Job:
     windows: list[np.ndarray]
     future: asyncio.Future
@@ -65,12 +68,20 @@ class _Stream:
     state: torch.Tensor = field(default_factory=lambda: torch.zeros(STATE_SHAPE))
 
 
-def _resolve(job: _Job, probs: list[float]) -> None:
+def _resolve(job: _Job, probs: list[float] | BaseException) -> None:
+    """Hand a job's probabilities (or the worker's failure) to its feed, on the feed's event loop."""
     def done() -> None:
-        if not job.future.done():  # NOTE: the feeding task may have been cancelled meanwhile
+        if job.future.done():  # NOTE: the feeding task may have been cancelled meanwhile
+            return
+        if isinstance(probs, BaseException):
+            job.future.set_exception(probs)
+        else:
             job.future.set_result(probs)
 
-    job.loop.call_soon_threadsafe(done)
+    try:
+        job.loop.call_soon_threadsafe(done)
+    except RuntimeError:  # NOTE: that loop is closed: nobody waits any more
+        pass
 
 
 class VadEngine:
@@ -122,12 +133,23 @@ class VadEngine:
 
         model = load_silero_vad()._model  # the stateless core: (context + window, state) -> (prob, state)
         while self._gather():
-            while self._step(model):
-                pass
+            with self._cond:
+                tick = {stream.jobs[0] for stream in self._pending}  # NOTE: later arrivals wait for the next tick
+            try:
+                while self._step(model, tick):
+                    pass
+            except Exception as e:  # NOTE: fail the feeds waiting now; the worker lives on for later ones
+                logger.exception("server VAD step failed")
+                self._resolve_pending(e)
+        self._resolve_pending([])
+
+    def _resolve_pending(self, result: list[float] | BaseException) -> None:
         with self._cond:
             for stream in self._pending:
                 for job in stream.jobs:
-                    _resolve(job, [])
+                    _resolve(job, result)
+                stream.jobs.clear()
+            self._pending.clear()
 
     def _gather(self) -> bool:
         """Wait until every stream fed lately has a window pending, or the oldest has waited MAX_WAIT_S.
@@ -146,18 +168,20 @@ class VadEngine:
                     self._cond.wait()
             return False
 
-    def _step(self, model: torch.jit.ScriptModule) -> bool:
-        """One batched call on the oldest pending window of up to max_batch streams; False if none is pending."""
+    def _step(self, model: torch.jit.ScriptModule, tick: set[_Job]) -> bool:
+        """One batched call on the next window of up to max_batch of the tick's jobs; False when they are done."""
         with self._cond:
-            batch = [(s, s.jobs[0]) for s in list(self._pending)[:self.max_batch]]
+            batch = [(s, s.jobs[0]) for s in self._pending if s.jobs[0] in tick][:self.max_batch]
             if not batch:
                 return False
-            x = torch.stack([torch.cat([s.context, torch.from_numpy(j.windows[len(j.probs)])]) for s, j in batch])
+            x = torch.stack([torch.cat([s.context, torch.from_numpy(j.windows[len(j.probs)])])
+                             for s, j in batch])
             state = torch.stack([s.state for s, _ in batch], dim=1)
         with torch.inference_mode():
             prob, state = model(x, state)
         with self._cond:
-            for (stream, job), p, ctx, st in zip(batch, prob[:, 0].tolist(), x[:, -CONTEXT:], state.unbind(1)):
+            outs = zip(batch, prob[:, 0].tolist(), x[:, -CONTEXT:], state.unbind(1))
+            for (stream, job), p, ctx, st in outs:
                 if not stream.jobs or stream.jobs[0] is not job:
                     continue  # dropped while the call ran
                 stream.context, stream.state = ctx, st
@@ -184,7 +208,8 @@ class TurnDetector:
 
     async def feed(self, pcm24k: np.ndarray) -> list[TurnEvent]:
         """int16 mono 24 kHz, any length. NOTE: one feed at a time per detector (the session awaits each)."""
-        self._samples = np.concatenate([self._samples, self._resampler.push(pcm24k.astype(np.float32) / 32768.0)])
+        new = self._resampler.push(pcm24k.astype(np.float32) / 32768.0)
+        self._samples = np.concatenate([self._samples, new])
         n = self._samples.size // WINDOW
         if not n:
             return []
@@ -195,7 +220,8 @@ class TurnDetector:
         return [e for i, p in enumerate(probs) if (e := self._turn(start + i * WINDOW, p)) is not None]
 
     def reset(self) -> None:
-        """Forget the speech state: model state, a turn in progress, audio not yet scored. The clock runs on."""
+        """Forget the speech state: model state, a turn in progress, audio not yet scored. The clock runs
+        on."""
         self.engine.drop(self._stream)
         self._samples, self._clock = self._samples[:0], self._clock + self._samples.size
         self._speaking, self._silence_from = False, None

@@ -1,0 +1,42 @@
+# Sourced by scripts/gpu_bench.sh and scripts/gpu_realtime_bench.sh (after PY, MODEL, PORT, URL, OUT, T0 are set):
+# start_server LOG [serve flags], stop_server, and start_main_server (the shipped deploy config, with fallbacks).
+SERVER=
+stop_server() {
+  [[ -n $SERVER ]] || return 0
+  kill "$SERVER" 2>/dev/null
+  for ((i = 0; i < 60; i++)); do kill -0 "$SERVER" 2>/dev/null || break; sleep 1; done
+  kill -9 "$SERVER" 2>/dev/null
+  SERVER=
+}
+trap stop_server EXIT
+# start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
+start_server() {
+  local log=$1
+  shift
+  local trace=${BENCH_STEP_TRACE:+$OUT/trace-$(basename "$log" .log)}  # OMNISTAGE_STEP_TRACE per server
+  [[ -n $trace ]] && mkdir -p "$trace"
+  OMNISTAGE_STEP_TRACE=$trace "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
+    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} "$@" > "$log" 2>&1 &
+  SERVER=$!
+  for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
+    if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then
+      "$PY" scripts/smoke.py "$URL" && { echo "[$((SECONDS - T0)) s] server up: $*"; return 0; }
+      break
+    fi
+    kill -0 "$SERVER" 2>/dev/null || break
+    sleep 1
+  done
+  tail -30 "$log"
+  stop_server
+  return 1
+}
+
+# The deploy config as shipped; should it fail its smoke request, the newest graphs go first, then all graphs.
+NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
+start_main_server() {
+  for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
+    start_server "$OUT/server.log" ${overrides:+--stage-overrides "$overrides"} && return 0
+    cp "$OUT/server.log" "$OUT/server-failed-$((SECONDS - T0)).log"
+  done
+  return 1
+}

@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# One call on the GPU machine (one H200, BENCH_BUDGET s, default 500): the full-size server with seeded random
+# weights (`omnistage serve --load-format dummy`, as scripts/gpu_bench.sh starts it) and issue 19's realtime
+# rows into $OUT (results.json results.md server.log bench.log), answers of 80 frames (BENCH_FRAMES):
+#   1. a 2 s turn at 1 and 32 sessions, 6 turns each, turns 3 and 6 barging into the answer before them;
+#   2. a 20 s turn at 1 and 32 sessions, 2 turns each (end-of-turn latency against the 2 s turn's);
+#   3. a chat row (P=160, c=16) alone, then the same row beside 64 idle realtime sessions (decode cost).
+# Wheels as scripts/gpu_bench.sh (silero-vad and websockets among them):  scripts/gpu_bench.sh prepare
+# Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_realtime_bench.sh
+# Small scale on the CPU (~4 min):
+#   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_SESSIONS=1,2 BENCH_IDLE=4 BENCH_FRAMES=8 BENCH_CHAT_C=2 \
+#   BENCH_CHAT_PROMPTS=4 BENCH_PYTHON=/work/main/.venv/bin/python OUT=/tmp/rtbench scripts/gpu_realtime_bench.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${BENCH_PYTHON:-python3}
+T0=$SECONDS
+BUDGET=${BENCH_BUDGET:-500}
+left() { echo $((BUDGET - (SECONDS - T0))); }
+OUT=${OUT:-$PWD/bench-out}
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/bench.log") 2>&1
+. scripts/device_env.sh
+MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
+"$PY" scripts/bench_model_dir.py "$MODEL" ${BENCH_PRESET:+--preset "$BENCH_PRESET"} || exit 1
+PORT=${BENCH_PORT:-8091}
+URL=http://127.0.0.1:$PORT
+. scripts/bench_server.sh
+start_main_server || exit 1  # no server: spend no more device time
+
+SESSIONS=${BENCH_SESSIONS:-1,32}
+RT=(--realtime --base-url "$URL" --random-weights --max-frames "${BENCH_FRAMES:-80}" --concurrency "$SESSIONS"
+    --output-dir "$OUT")
+echo "[$((SECONDS - T0)) s] realtime, 2 s turns with barge-in"
+"$PY" -m omnistage.cli bench "${RT[@]}" --clips question_2s --turns 6 --barge-in-every 3 --warmup 1
+echo "[$((SECONDS - T0)) s] realtime, 20 s turns"
+(($(left) > 120)) && "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_20s --turns 2 --barge-in-every 0 --warmup 0
+
+CHAT=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --prompt-tokens 160
+      --concurrency "${BENCH_CHAT_C:-16}" --num-prompts "${BENCH_CHAT_PROMPTS:-64}" --max-frames "${BENCH_FRAMES:-80}"
+      --output-dir "$OUT")
+IDLE=${BENCH_IDLE:-64}
+ROW_S=$((($(left) - 20) / 2))
+if ((ROW_S > 20)); then
+  echo "[$((SECONDS - T0)) s] chat c=${BENCH_CHAT_C:-16} alone, then beside $IDLE idle sessions (${ROW_S} s each)"
+  "$PY" -m omnistage.cli bench "${CHAT[@]}" --warmup 4 --time-budget "$ROW_S" --variant "no idle sessions"
+  "$PY" -m omnistage.cli bench "${CHAT[@]}" --warmup 0 --time-budget "$ROW_S" --idle-sessions "$IDLE" \
+    --variant "$IDLE idle realtime sessions"
+fi
+stop_server
+echo "[$((SECONDS - T0)) s] done"
+cat "$OUT/results.md"
