@@ -27,6 +27,7 @@ from omnistage.server.errors import (
 )
 from omnistage.media import MediaPolicy
 from omnistage.server.metrics import ServerMetrics, install_metrics
+from omnistage.server.page import install_page
 from omnistage.server.protocol import (
     ChatCompletionRequest,
     resolve_voice,
@@ -65,6 +66,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     app.add_exception_handler(ClientDisconnect, _client_gone)
     install_api_key(app, api_key)
     install_body_limit(app, max_body_bytes)
+    install_page(app)  # NOTE: after install_api_key: its subprotocol key must reach that check as a header
     metrics = metrics or ServerMetrics()
     install_metrics(app, metrics, getattr(engine, "stats", None), getattr(engine, "admission", None))
     install_speech(app, engine, model_name, deploy, voices, metrics)

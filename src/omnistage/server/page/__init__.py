@@ -1,0 +1,22 @@
+"""GET /: a page to talk to the model in a browser (index.html: plain JavaScript, no build step). It opens
+/v1/realtime, streams the microphone as 24 kHz pcm16, plays the answer and shows its transcript; its API key
+rides in a WebSocket subprotocol (subprotocol.py)."""
+
+from __future__ import annotations
+
+from importlib.resources import files
+
+from fastapi import FastAPI
+from fastapi.responses import HTMLResponse
+
+from omnistage.server.page.subprotocol import install_subprotocol_auth
+
+PAGE = files(__package__).joinpath("index.html").read_text("utf-8")
+
+
+def install_page(app: FastAPI) -> None:
+    install_subprotocol_auth(app)
+
+    @app.get("/", include_in_schema=False)
+    async def page() -> HTMLResponse:
+        return HTMLResponse(PAGE)

@@ -1,0 +1,106 @@
+"""GET / in a real browser: Debian's headless Chromium (driven by Playwright) opens the page on the keyed tiny
+server, its fake microphone says a question, server VAD ends the turn and the page plays the answer; the
+microphone speaks again while the answer plays: the page stops playback and truncates the answer to what was
+heard, and the second answer plays. Skips without Chromium (`apt-get install chromium`) or Playwright."""
+
+from __future__ import annotations
+
+import base64
+import json
+import re
+import shutil
+from importlib.util import find_spec
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, WebSocket
+from fastapi.testclient import TestClient
+
+from omnistage.server.errors import install_api_key
+from omnistage.server.page import install_page
+from omnistage.server.page.subprotocol import KEY_PREFIX, REALTIME
+from serve_process import KEY, MODEL, samples
+
+pytest_plugins = ["serve_fixtures"]
+CHROMIUM = shutil.which("chromium")
+# espeak-ng, 16 kHz: 0.5 s silence, "Hello, how are you today?" (1.7 s), 3 s silence, "Wait, stop." (1.2 s)
+CLIP = Path(__file__).parent / "data" / "two_turns_16k.wav"
+FRAMES = 40  # 3.2 s of audio: still playing when the second turn starts 2.7 s after the first ended
+SPEECH = {"session.created": 1, "session.updated": 1, "input_audio_buffer.speech_started": 2,
+          "input_audio_buffer.speech_stopped": 2, "input_audio_buffer.committed": 2, "response.created": 2,
+          "response.done": 2, "conversation.item.truncated": 1}
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
+@pytest.mark.skipif(find_spec("playwright") is None, reason="needs Playwright (the test extra)")
+def test_page_talks_to_the_model(servers, tmp_path):
+    from playwright import sync_api
+    keyed = servers[1]
+    args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+            "--disable-background-networking", "--disable-component-update", "--disable-sync",
+            "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
+            f"--use-file-for-fake-audio-capture={CLIP}%noloop", "--autoplay-policy=no-user-gesture-required"]
+    received: dict[str, int] = {}  # samples of each answer on the wire, as the browser got them
+    with sync_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True, args=args)
+        try:
+            page = browser.new_page()
+            page.on("websocket", lambda ws: ws.on("framereceived", lambda f: count_audio(f, received)))
+            page.goto(keyed.url + "/")
+            sync_api.expect(page.locator("#status")).to_have_text("Enter the API key, then press Start.")
+            page.fill("#key", KEY)
+            page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}, seed: 0}}")
+            page.click("#start")
+            page.wait_for_function("(omni.events['response.done'] || 0) >= 2", timeout=40_000)
+            page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)
+            omni = page.evaluate("omni")
+            page.screenshot(path=tmp_path / "page.png")
+            assert page.text_content("#model") == MODEL
+            assert page.is_visible("#random")  # the tiny checkpoint's weights are random
+            assert page.text_content("#start") == "Stop"
+            texts = page.locator("#log li").all_text_contents()
+            cut = page.locator("#log li.cut").all_text_contents()
+        finally:
+            browser.close()
+    assert omni["errors"] == []
+    assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH, omni
+    assert omni["answers"] == received and omni["samples"] == sum(received.values())
+    first, second = received.values()
+    # the second answer whole (code2wav: N frames make N * 1920 - 555 samples; its EOS may come before FRAMES)
+    assert (second + 555) % 1920 == 0 and 0 < second <= samples(FRAMES)
+    # the first one cut while playing (by the server too, if it was not all out yet)
+    assert 0 < omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
+    assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
+    assert len(texts) == 4 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
+    assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
+
+
+def count_audio(payload: str | bytes, received: dict[str, int]) -> None:
+    event = json.loads(payload)
+    if event["type"] == "response.output_audio.delta":
+        item = event["item_id"]
+        received[item] = received.get(item, 0) + len(base64.b64decode(event["delta"])) // 2
+
+
+def test_subprotocol_key_becomes_the_authorization_header():
+    app = FastAPI()
+    install_api_key(app, KEY)
+    install_page(app)
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket) -> None:
+        await ws.accept()
+        await ws.send_json({"authorization": ws.headers.get("authorization")})
+        await ws.close()
+
+    client, bearer = TestClient(app), {"authorization": f"Bearer {KEY}"}
+    with client.websocket_connect("/v1/realtime", subprotocols=[REALTIME, KEY_PREFIX + KEY]) as ws:
+        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", bearer)
+    with client.websocket_connect("/v1/realtime", subprotocols=[REALTIME, KEY_PREFIX + "wrong"],
+                                  headers=dict(bearer)) as ws:  # the header wins
+        assert (ws.accepted_subprotocol, ws.receive_json()) == ("realtime", bearer)
+    with client.websocket_connect("/v1/realtime", headers=dict(bearer)) as ws:
+        assert (ws.accepted_subprotocol, ws.receive_json()) == (None, bearer)
+    page = client.get("/")  # no key needed
+    assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
+    assert "/v1/realtime" in page.text and len(page.content) < 12_000
