@@ -12,7 +12,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 from fastapi.testclient import TestClient
+from starlette.testclient import WebSocketDenialResponse
 
 from omnistage.config import DEPLOY_DIR, load_deploy_config
 from omnistage.outputs import OutputDelta
@@ -58,15 +60,19 @@ def assert_openai_error(r: httpx.Response, status: int) -> dict:
 
 def test_api_key_guards_every_v1_route(monkeypatch):
     client = http(Engine(), api_key=KEY)
-    routes = [(m, r.path.replace("{model_id:path}", "m")) for r in client.app.routes
-              if r.path.startswith("/v1") for m in r.methods]
+    v1 = [r for r in client.app.routes if r.path.startswith("/v1")]
+    routes = [(m, r.path.replace("{model_id:path}", "m")) for r in v1 for m in getattr(r, "methods", ())]
     assert {p for _, p in routes} == {"/v1/models", "/v1/models/m", "/v1/chat/completions",
                                       "/v1/audio/speech"}
+    assert [r.path for r in v1 if not hasattr(r, "methods")] == ["/v1/realtime"]  # the WebSocket
     for value in (None, "Bearer nope", KEY, f"Basic {KEY}", f"Bearer {KEY}x", f"Bearer {KEY[:-1]}"):
         headers = {} if value is None else {"Authorization": value}
         for method, path in routes:
             error = assert_openai_error(client.request(method, path, headers=headers, json={}), 401)
             assert error["code"] == "invalid_api_key" and KEY not in str(error)
+        with pytest.raises(WebSocketDenialResponse) as denied:
+            client.websocket_connect("/v1/realtime", headers=headers).__enter__()
+        assert denied.value.status_code == 401
     for scheme in ("Bearer", "bearer"):
         r = client.post("/v1/chat/completions", headers={"Authorization": f"{scheme} {KEY}"},
                         json={"messages": USER})
