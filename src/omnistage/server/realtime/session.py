@@ -6,7 +6,8 @@ Turns with server_vad: speech_started (cancels a playing response when interrupt
 speech_stopped from the session's TurnDetector; speech_stopped commits the audio from speech start (the
 detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
 the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
-commit then commits those).
+commit then commits those). A turn that server VAD will answer is prefilled while it is spoken
+(early_prefill.py).
 """
 
 from __future__ import annotations
@@ -22,13 +23,14 @@ from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime import events as ev
 from omnistage.server.realtime.conversation import Conversation, Item, Part, decode_pcm, item_from
+from omnistage.server.realtime.early_prefill import EarlyPrefill
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.response import Emit, Response, new_response, play
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
-from omnistage.server.serving import EngineClient, start_request
+from omnistage.server.serving import EngineClient, StreamingInput, start_request
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
 
@@ -44,6 +46,7 @@ class SessionContext:
     transcripts: TranscriptStore
     detector: Callable[[TurnDetection], TurnDetector]  # a new turn detector with these settings
     max_buffer_bytes: int  # the input audio buffer's bound (the server's --max-audio-seconds)
+    streamed_rows: Callable[[int], None]  # a response got this many prompt rows prefilled while spoken
 
 
 class RealtimeSession:
@@ -58,6 +61,7 @@ class RealtimeSession:
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
+        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.streamed_rows)
 
     async def start(self) -> None:
         self._new_detector()
@@ -90,6 +94,8 @@ class RealtimeSession:
         if self._speech is None:
             padding = self.settings.audio.input.turn_detection.prefix_padding_ms
             self._input.drop_until(self._input.end - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
+        else:
+            await self._early.feed(self._input)
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         at = self._detector_base + turn.audio_ms * SAMPLE_RATE // 1000
@@ -101,18 +107,23 @@ class RealtimeSession:
                                           item_id=self._speech))
             if vad.interrupt_response:
                 await self._cancel("turn_detected")
+            if vad.create_response and not self._playing():
+                await self._early.open(self.settings, self.conversation, self._speech, self._input)
         elif self._speech is not None:
             item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
-            await self._commit(self._input.take_until(at), item_id)
-            if vad.create_response and not self._playing():
-                await self._respond(ev.ResponseParams())
+            try:
+                await self._commit(self._input.take_until(at), item_id)
+                if vad.create_response and not self._playing():
+                    await self._respond(ev.ResponseParams())
+            finally:
+                await self._early.abort()  # not taken by the response
 
     async def _commit_event(self, event: ev.AudioCommit) -> None:
         item_id = self._speech or new_id("item")
         pcm = self._input.take_all()
-        self._reset_turn()
+        await self._reset_turn()
         await self._commit(pcm, item_id)
 
     async def _commit(self, pcm: bytes, item_id: str) -> None:
@@ -125,11 +136,12 @@ class RealtimeSession:
 
     async def _clear(self, event: ev.AudioClear) -> None:
         self._input.clear()
-        self._reset_turn()
+        await self._reset_turn()
         await self._emit(server_event("input_audio_buffer.cleared"))
 
-    def _reset_turn(self) -> None:
+    async def _reset_turn(self) -> None:
         self._speech = None
+        await self._early.abort()
         if self._detector is not None:
             self._detector.reset()
 
@@ -142,6 +154,7 @@ class RealtimeSession:
 
     async def _update(self, event: ev.SessionUpdate) -> None:
         new = updated(self.settings, event.session, self.ctx.voices, self.ctx.model_name)
+        await self._early.abort()  # the turn's prompt or sampling may have changed
         vad_changed = new.audio.input.turn_detection != self.settings.audio.input.turn_detection
         self.settings = new
         if vad_changed:
@@ -190,15 +203,19 @@ class RealtimeSession:
                                 "new one.", None, "conversation_already_has_active_response")
         self.response, messages, sampling, talker = new_response(self.settings, params, self.conversation,
                                                                  self.ctx.voices, self.ctx.deploy)
+        stream = self._early.take(self.response, messages, sampling, talker)
         await self._emit(server_event("response.created", response=self.response.api()))
-        self._start_response(self.response, messages, sampling, talker)
+        self._start_response(self.response, messages, sampling, talker, stream)
 
     def _start_response(self, response: Response, messages: list[dict], sampling: SamplingParams,
-                        talker: TalkerSamplingParams | None) -> None:
-        """The one place a response's prompt (the conversation's messages) becomes an engine request."""
+                        talker: TalkerSamplingParams | None, stream: StreamingInput | None) -> None:
+        """The one place a response's prompt (the conversation's messages) becomes an engine request: the
+        spoken turn's open request `stream` (closed with its clip) when it took one."""
         voice = response.settings.voice.lower()
 
         def start() -> Awaitable[AsyncIterator[OutputDelta]]:
+            if stream is not None:
+                return self._early.close(stream, messages)
             return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice)
 
         response.task = asyncio.create_task(self._play(response, start))
@@ -219,12 +236,15 @@ class RealtimeSession:
 
     async def _cancel(self, reason: str) -> bool:
         """Stops the playing response (its request aborted in every stage, its answer truncated to what was
-        sent) and waits until its response.done is out. False when none is playing."""
+        sent) and waits until its response.done is out. False when none is playing. The open request of a
+        turn being spoken is aborted too (its prompt holds the answer being cut)."""
+        await self._early.abort()
         if not self._playing():
             return False
         self.response.cancel_reason = reason
         self.response.task.cancel()
         await asyncio.wait([self.response.task])
+        await self._early.cancelled()
         return True
 
     def _playing(self) -> bool:
