@@ -270,7 +270,8 @@ def wav_messages(pcm: bytes, system: str | None = None) -> list[dict]:
     wav = io.BytesIO()
     sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
     audio = {"type": "input_audio", "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}
-    return [*([{"role": "system", "content": system}] if system else []), {"role": "user", "content": [audio]}]
+    system_message = [{"role": "system", "content": system}] if system else []
+    return [*system_message, {"role": "user", "content": [audio]}]
 
 
 LONG_TURN = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {

@@ -2,7 +2,8 @@
 
 Output sample n is scipy's `resample_poly(x, 2, 3)[n]` of the whole float32 stream, bit for bit (same
 float32 filter, same alignment): it is emitted once every input sample its filter reaches has arrived, so the
-output never depends on how the input was cut (the stream's last ~10 samples wait for more input instead of being zero-padded).
+output never depends on how the input was cut (the stream's last ~10 samples wait for more input instead of
+being zero-padded).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One realtime session's state machine: its settings, input audio buffer (with turn detection), conversation
-and the response playing. Client events are handled one at a time, in order (`handle`); a response plays as
-its own task (response.py), so appends, cancels and barge-in are handled while it plays.
+and the response playing (player.py). Client events are handled one at a time, in order (`handle`); a
+response plays as its own task (response.py), so appends, cancels and barge-in are handled while it plays.
 
 Turns with server_vad: speech_started (cancels a playing response when interrupt_response) and
 speech_stopped from the session's TurnDetector; speech_stopped commits the audio from speech start (the
@@ -12,25 +12,24 @@ commit then commits those). A turn that server VAD will answer is prefilled whil
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from omnistage.config import DeployConfig
-from omnistage.outputs import SAMPLE_RATE, OutputDelta
-from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.realtime import events as ev
 from omnistage.server.realtime.conversation import Conversation, Item, Part, decode_pcm, item_from
 from omnistage.server.realtime.early_prefill import EarlyPrefill
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
-from omnistage.server.realtime.response import Emit, Response, new_response, play
+from omnistage.server.realtime.player import Player
+from omnistage.server.realtime.response import Emit
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
-from omnistage.server.serving import EngineClient, StreamingInput, start_request
+from omnistage.server.serving import EngineClient
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
 
@@ -55,13 +54,13 @@ class RealtimeSession:
         self.id = new_id("sess")
         self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
-        self.response: Response | None = None
         self.closed = False
         self._input = InputAudioBuffer(ctx.max_buffer_bytes)
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
         self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.streamed_rows)
+        self._player = Player(ctx, self._early, self._emit)
 
     async def start(self) -> None:
         self._new_detector()
@@ -80,7 +79,7 @@ class RealtimeSession:
     async def close(self) -> None:
         """The socket is gone: stop the response (aborting its request), send nothing more."""
         self.closed = True
-        await self._cancel("client_cancelled")
+        await self._player.cancel("client_cancelled")
 
     # -- input audio --------------------------------------------------------------------------------------
 
@@ -106,8 +105,8 @@ class RealtimeSession:
             await self._emit(server_event("input_audio_buffer.speech_started", audio_start_ms=turn.audio_ms,
                                           item_id=self._speech))
             if vad.interrupt_response:
-                await self._cancel("turn_detected")
-            if vad.create_response and not self._playing():
+                await self._player.cancel("turn_detected")
+            if vad.create_response and not self._player.playing:
                 await self._early.open(self.settings, self.conversation, self._speech, self._input)
         elif self._speech is not None:
             item_id, self._speech = self._speech, None
@@ -115,7 +114,7 @@ class RealtimeSession:
                                           item_id=item_id))
             try:
                 await self._commit(self._input.take_until(at), item_id)
-                if vad.create_response and not self._playing():
+                if vad.create_response and not self._player.playing:
                     await self._respond(ev.ResponseParams())
             finally:
                 await self._early.abort()  # not taken by the response
@@ -184,8 +183,8 @@ class RealtimeSession:
         """Cut an answer to what the user heard: `audio_end_ms` of its audio and the matching transcript."""
         item = self.conversation.get(event.item_id)
         samples = item.audio_cut(event.content_index, event.audio_end_ms)
-        if self.response is not None and self.response.item is item:
-            await self._cancel("client_cancelled")
+        if self._player.response is not None and self._player.response.item is item:
+            await self._player.cancel("client_cancelled")
         item.truncate(samples)
         self.ctx.transcripts.put(item.id, item.parts[0].text)
         await self._emit(server_event("conversation.item.truncated", item_id=item.id,
@@ -197,58 +196,16 @@ class RealtimeSession:
         await self._respond(event.response or ev.ResponseParams())
 
     async def _respond(self, params: ev.ResponseParams) -> None:
-        if self._playing():
-            raise RealtimeError(f"Conversation already has an active response in progress: "
-                                f"{self.response.id}. Wait until the response is finished before creating a "
-                                "new one.", None, "conversation_already_has_active_response")
-        self.response, messages, sampling, talker = new_response(self.settings, params, self.conversation,
-                                                                 self.ctx.voices, self.ctx.deploy)
-        stream = self._early.take(self.response, messages, sampling, talker)
-        await self._emit(server_event("response.created", response=self.response.api()))
-        self._start_response(self.response, messages, sampling, talker, stream)
-
-    def _start_response(self, response: Response, messages: list[dict], sampling: SamplingParams,
-                        talker: TalkerSamplingParams | None, stream: StreamingInput | None) -> None:
-        """The one place a response's prompt (the conversation's messages) becomes an engine request: the
-        spoken turn's open request `stream` (closed with its clip) when it took one."""
-        voice = response.settings.voice.lower()
-
-        def start() -> Awaitable[AsyncIterator[OutputDelta]]:
-            if stream is not None:
-                return self._early.close(stream, messages)
-            return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice)
-
-        response.task = asyncio.create_task(self._play(response, start))
-
-    async def _play(self, response: Response,
-                    start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
-        await play(response, start, self.ctx.engine.abort, self._emit)
-        if response.audio and response.conversation is not None:
-            self.ctx.transcripts.put(response.item.id, response.item.parts[0].text)
+        await self._player.respond(self.settings, params, self.conversation)
 
     async def _cancel_event(self, event: ev.ResponseCancel) -> None:
-        if event.response_id is not None and (self.response is None or event.response_id != self.response.id):
+        response = self._player.response
+        if event.response_id is not None and (response is None or event.response_id != response.id):
             raise RealtimeError(f"response_id: no response {event.response_id!r} is in progress.",
                                 "response_id", "response_cancel_not_active")
-        if not await self._cancel("client_cancelled"):
+        if not await self._player.cancel("client_cancelled"):
             raise RealtimeError("Cancellation failed: no active response found.", None,
                                 "response_cancel_not_active")
-
-    async def _cancel(self, reason: str) -> bool:
-        """Stops the playing response (its request aborted in every stage, its answer truncated to what was
-        sent) and waits until its response.done is out. False when none is playing. The open request of a
-        turn being spoken is aborted too (its prompt holds the answer being cut)."""
-        await self._early.abort()
-        if not self._playing():
-            return False
-        self.response.cancel_reason = reason
-        self.response.task.cancel()
-        await asyncio.wait([self.response.task])
-        await self._early.cancelled()
-        return True
-
-    def _playing(self) -> bool:
-        return self.response is not None and self.response.task is not None and not self.response.task.done()
 
     async def _emit(self, event: dict) -> None:
         if not self.closed:
