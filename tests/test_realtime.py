@@ -266,6 +266,16 @@ def test_spoken_turn_with_server_vad(rt_server):
     asyncio.run(main())
 
 
+def pieces(pcm: bytes) -> list[bytes]:
+    """`pcm` cut into 20, 30, 40, 20, ... ms pieces."""
+    out, at = [], 0
+    while at < len(pcm):
+        n = (960, 1440, 1920)[len(out) % 3]
+        out.append(pcm[at:at + n])
+        at += n
+    return out
+
+
 def wav_messages(pcm: bytes, system: str | None = None) -> list[dict]:
     wav = io.BytesIO()
     sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
@@ -289,8 +299,8 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
             await setup(conn, {**LONG_TURN, "instructions": "Be brief."})
-            for i, at in enumerate(range(0, len(pcm), 1440)):
-                await conn.input_audio_buffer.append(audio=b64(pcm[at:at + (960, 1440, 1920)[i % 3]]))
+            for piece in pieces(pcm):
+                await conn.input_audio_buffer.append(audio=b64(piece))
             wait_held(rt_server, (2 * 104 + 12) // 16 + 1)  # KV of the prefix and both windows (16 a block)
             await append(conn, silence(1500), 960)
             return await until(conn, "response.done")
@@ -307,6 +317,19 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
     assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
     assert_nothing_held(rt_server)
+
+
+def test_streamed_16k_audio_is_the_committed_clips():
+    """What a spoken turn's open request is fed while it is spoken (20-40 ms appends through the
+    StreamResampler) is bit for bit the committed clip's pcm_to_16k, up to the last ~10 samples (which wait
+    for input their filter reaches; close passes the whole clip)."""
+    from omnistage.server.realtime.conversation import pcm_float, pcm_to_16k
+    from omnistage.server.realtime.resample import StreamResampler
+
+    pcm, r = long_speech_pcm(), StreamResampler()
+    fed = np.concatenate([r.push(pcm_float(piece)) for piece in pieces(pcm)])
+    whole = pcm_to_16k(pcm)
+    assert whole.size - 10 <= fed.size < whole.size and np.array_equal(fed, whole[:fed.size])
 
 
 def test_open_turn_request_is_freed_on_every_path(rt_server):

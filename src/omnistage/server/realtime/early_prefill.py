@@ -41,8 +41,8 @@ class EarlyPrefill:
         self._open: StreamingInput | None = None
         self._key: RequestKey | None = None
         self._taken: StreamingInput | None = None  # taken by a response whose task has not closed it yet
-        self._resampler = StreamResampler()
-        self._fed = 0  # the session sample up to which the input audio was fed
+        self._resampler = StreamResampler()  # the open request's
+        self._fed = 0  # the session sample up to which the input audio went to it
 
     async def open(self, settings: SessionSettings, conversation: Conversation, item_id: str,
                    buffer: InputAudioBuffer) -> None:
@@ -99,8 +99,8 @@ class EarlyPrefill:
             await stream.abort()
 
     async def cancelled(self) -> None:
-        """The playing response was cancelled: if its task was so before it ran, the request it took was
-        never closed (nor aborted by it)."""
+        """The playing response was cancelled: if that was before its task ran, the request it took was
+        never closed (nor aborted by the task)."""
         if self._taken is not None:
             stream, self._taken = self._taken, None
             await stream.abort()
