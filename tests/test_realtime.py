@@ -333,8 +333,9 @@ def test_streamed_16k_audio_is_the_committed_clips():
 
 
 def test_open_turn_request_is_freed_on_every_path(rt_server):
-    """The request opened at speech start is aborted by a clear, a manual commit, a session.update, and the
-    socket closing, mid-speech; none is opened when server VAD will not answer (create_response false)."""
+    """The request opened at speech start is aborted by a clear, a manual commit, a response.cancel, a
+    session.update, and the socket closing, mid-speech; none is opened when server VAD will not answer
+    (create_response false)."""
     speech = silence(300) + speech_pcm()[:48000]
 
     async def speaking(conn) -> None:
@@ -353,6 +354,12 @@ def test_open_turn_request_is_freed_on_every_path(rt_server):
             await conn.input_audio_buffer.commit()
             await until(conn, "conversation.item.done")
             assert_nothing_held(rt_server)
+            await speaking(conn)
+            await conn.response.cancel()  # nothing plays, but the turn's prompt would hold the answer cut
+            assert (await conn.recv()).error.code == "response_cancel_not_active"
+            assert_nothing_held(rt_server)
+            await conn.input_audio_buffer.clear()
+            await until(conn, "input_audio_buffer.cleared")
             await speaking(conn)
             await conn.session.update(session={"instructions": "Shorter."})
             await until(conn, "session.updated")
