@@ -1,7 +1,9 @@
 """/v1/realtime through the official openai SDK's realtime client, on a real `omnistage serve` (tiny
-checkpoint, --api-key, --max-audio-seconds 6): event sequences, server VAD turns (an espeak-ng clip),
+checkpoint, --api-key, --max-audio-seconds 20): event sequences, server VAD turns (an espeak-ng clip),
 manual commits, history equal to chat completions (same tokens and codes: same transcript and audio bytes),
-barge-in and response.cancel (aborted in every stage, the answer truncated), bad events, 32 sessions."""
+a long spoken turn prefilled while spoken (streaming input) equal to chat, its request freed on every path
+that leaves it, barge-in and response.cancel (aborted in every stage, the answer truncated), bad events,
+ignore_eos, 32 sessions."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import re
 import math
 import time
 from importlib.resources import files
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -29,7 +32,7 @@ MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, **TU
 @pytest.fixture(scope="module")
 def rt_server(tmp_path_factory, tiny_dir):
     log = tmp_path_factory.mktemp("realtime") / "rt.log"
-    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "6")
+    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20")
     try:
         server.wait_ready()
         yield server
@@ -37,11 +40,22 @@ def rt_server(tmp_path_factory, tiny_dir):
         server.stop()
 
 
+def to_pcm(wav: np.ndarray, rate: int) -> bytes:
+    return (np.clip(resample(wav, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+
+
 def speech_pcm() -> bytes:
     """The espeak-ng question (16 kHz wav) as 24 kHz s16le."""
     wav, rate = sf.read(io.BytesIO(files("omnistage.data").joinpath("speech/question_2s.wav").read_bytes()),
                         dtype="float32")
-    return (np.clip(resample(wav, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
+    return to_pcm(wav, rate)
+
+
+def long_speech_pcm() -> bytes:
+    """tests/data/speech_17s.flac (see test_prompt_stream.py), its loudest frame in the first 2 s (so the
+    first encoder window's log-mel floor is final when it is sent), as 24 kHz s16le."""
+    wav, rate = sf.read(Path(__file__).parent / "data" / "speech_17s.flac", dtype="float32")
+    return to_pcm(np.concatenate([wav[:2 * rate], 0.6 * wav[2 * rate:]]), rate)
 
 
 def silence(ms: int) -> bytes:
@@ -117,6 +131,20 @@ def assert_nothing_held(server) -> None:
     while any(held()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert held() and not any(held())
+
+
+def counter(server, name: str) -> float:
+    """A label-less counter's value (0 before its first count: not rendered yet)."""
+    found = re.search(rf"^{name} (\S+)$", httpx.get(server.url + "/metrics").text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+def wait_held(server, blocks: int = 1) -> None:
+    """Until the thinker holds `blocks` KV blocks (of a spoken turn's request, opened at speech start)."""
+    deadline = time.monotonic() + 10
+    while gauges(server, "omnistage_kv_cache_blocks_in_use").get("thinker", 0) < blocks:
+        assert time.monotonic() < deadline, "no request was opened at speech start"
+        time.sleep(0.02)
 
 
 def chat(server, messages: list[dict]) -> dict:
@@ -238,6 +266,152 @@ def test_spoken_turn_with_server_vad(rt_server):
     asyncio.run(main())
 
 
+def pieces(pcm: bytes) -> list[bytes]:
+    """`pcm` cut into 20, 30, 40, 20, ... ms pieces."""
+    out, at = [], 0
+    while at < len(pcm):
+        n = (960, 1440, 1920)[len(out) % 3]
+        out.append(pcm[at:at + n])
+        at += n
+    return out
+
+
+def wav_messages(pcm: bytes, system: str | None = None) -> list[dict]:
+    wav = io.BytesIO()
+    sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
+    audio = {"type": "input_audio", "input_audio": {"data": b64(wav.getvalue()), "format": "wav"}}
+    system_message = [{"role": "system", "content": system}] if system else []
+    return [*system_message, {"role": "user", "content": [audio]}]
+
+
+LONG_TURN = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
+    "type": "server_vad", "silence_duration_ms": 1000}}}}
+
+
+def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
+    """A 17.5 s turn sent in 20-40 ms appends: its request is opened at speech start and its two complete
+    encoder windows (104 rows each) are prefilled before the turn ends (and kept); the answer is that of the
+    committed clip through chat completions (same transcript, audio bytes and usage)."""
+    pcm = silence(400) + long_speech_pcm()
+    rows = "omnistage_realtime_streamed_prompt_rows_total"
+    before = counter(rt_server, rows)
+
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, {**LONG_TURN, "instructions": "Be brief."})
+            for piece in pieces(pcm):
+                await conn.input_audio_buffer.append(audio=b64(piece))
+            wait_held(rt_server, (2 * 104 + 12) // 16 + 1)  # KV of the prefix and both windows (16 a block)
+            await append(conn, silence(1500), 960)
+            return await until(conn, "response.done")
+
+    events = asyncio.run(main())
+    started, stopped = events[0], events[1]
+    assert (started.type, stopped.type) == ("input_audio_buffer.speech_started",
+                                            "input_audio_buffer.speech_stopped")
+    clip = (pcm + silence(1500))[started.audio_start_ms * 48:stopped.audio_end_ms * 48]
+    assert len(clip) // 2 * 2 // 3 // 160 >= 1600  # two complete windows of 800 mel frames
+    assert counter(rt_server, rows) - before == 2 * 104
+    text, audio, response = answer(events)
+    reply = chat(rt_server, wav_messages(clip, "Be brief."))
+    assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
+    assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
+    assert_nothing_held(rt_server)
+
+
+def test_streamed_16k_audio_is_the_committed_clips():
+    """What a spoken turn's open request is fed while it is spoken (20-40 ms appends through the
+    StreamResampler) is bit for bit the committed clip's pcm_to_16k, up to the last ~10 samples (which wait
+    for input their filter reaches; close passes the whole clip)."""
+    from omnistage.server.realtime.conversation import pcm_float, pcm_to_16k
+    from omnistage.server.realtime.resample import StreamResampler
+
+    pcm, r = long_speech_pcm(), StreamResampler()
+    fed = np.concatenate([r.push(pcm_float(piece)) for piece in pieces(pcm)])
+    whole = pcm_to_16k(pcm)
+    assert whole.size - 10 <= fed.size < whole.size and np.array_equal(fed, whole[:fed.size])
+
+
+def test_open_turn_request_is_freed_on_every_path(rt_server):
+    """The request opened at speech start is aborted by a clear, a manual commit, a response.cancel, a
+    session.update, and the socket closing, mid-speech; none is opened when server VAD will not answer
+    (create_response false)."""
+    speech = silence(300) + speech_pcm()[:48000]
+
+    async def speaking(conn) -> None:
+        await append(conn, speech, 1920)
+        await until(conn, "input_audio_buffer.speech_started")
+        wait_held(rt_server)
+
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, LONG_TURN)
+            await speaking(conn)
+            await conn.input_audio_buffer.clear()
+            await until(conn, "input_audio_buffer.cleared")
+            assert_nothing_held(rt_server)
+            await speaking(conn)
+            await conn.input_audio_buffer.commit()
+            await until(conn, "conversation.item.done")
+            assert_nothing_held(rt_server)
+            await speaking(conn)
+            await conn.response.cancel()  # nothing plays, but the turn's prompt would hold the answer cut
+            assert (await conn.recv()).error.code == "response_cancel_not_active"
+            assert_nothing_held(rt_server)
+            await conn.input_audio_buffer.clear()
+            await until(conn, "input_audio_buffer.cleared")
+            await speaking(conn)
+            await conn.session.update(session={"instructions": "Shorter."})
+            await until(conn, "session.updated")
+            assert_nothing_held(rt_server)
+            await conn.input_audio_buffer.clear()
+            await until(conn, "input_audio_buffer.cleared")
+            vad = LONG_TURN["audio"]["input"]["turn_detection"]
+            await conn.session.update(session={"audio": {"input": {"turn_detection": {
+                **vad, "create_response": False}}}})
+            await until(conn, "session.updated")
+            await append(conn, speech, 1920)
+            await until(conn, "input_audio_buffer.speech_started")
+            await append(conn, silence(200))
+            assert_nothing_held(rt_server)
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, LONG_TURN)
+            await speaking(conn)
+        assert_nothing_held(rt_server)
+
+    asyncio.run(main())
+
+
+def test_ignore_eos_answers_are_exactly_the_caps(rt_server):
+    async def main():
+        async with client(rt_server).realtime.connect(model=MODEL) as conn:
+            await setup(conn, {**MANUAL, "ignore_eos": True, "max_output_tokens": 6, "max_audio_frames": 6})
+            await say(conn, "Hello.")
+            await conn.response.create()
+            first = answer(await until(conn, "response.done"))
+            await conn.send({"type": "session.update", "session": {"ignore_eos": "yes"}})
+            error = await conn.recv()
+            return first, error
+
+    (_, audio, response), error = asyncio.run(main())
+    assert len(audio) == 2 * samples(6) and response.usage.output_token_details.audio_tokens == 6
+    assert response.usage.output_token_details.text_tokens == 6 and response.status == "incomplete"
+    assert (error.type, error.error.param) == ("error", "session.ignore_eos")
+
+
+def test_ignore_eos_reaches_the_thinker_and_the_talker():
+    from omnistage.config import DEPLOY_DIR, load_deploy_config
+    from omnistage.server.realtime.events import ResponseParams
+    from omnistage.server.realtime.settings import Resolved, initial, updated
+
+    deploy = load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", platform="cpu")
+    session = updated(initial(["Ethan"], MODEL), {"ignore_eos": True}, ["Ethan"], MODEL)
+    sampling, talker = Resolved(session, ResponseParams(), ["Ethan"]).sampling(deploy)
+    assert sampling.ignore_eos and talker.ignore_eos
+    sampling, talker = Resolved(session, ResponseParams(ignore_eos=False), ["Ethan"]).sampling(deploy)
+    assert not sampling.ignore_eos and not talker.ignore_eos
+
+
 def test_barge_in_cancels_and_truncates(rt_server):
     """Speech while an answer plays cancels it (turn_detected): aborted in every stage, the item cut to the
     audio sent and the transcript of as many tokens as frames; then the spoken turn gets its answer."""
@@ -300,7 +474,7 @@ def test_bad_events_keep_the_session(rt_server):
                     "session.audio.input.format.rate", "invalid_value"),
                    ({"type": "session.update", "session": {"audio": {"output": {"voice": "alloy"}}},
                      "event_id": "e4"}, "session.audio.output.voice", "invalid_value"),
-                   ({"type": "input_audio_buffer.append", "audio": b64(silence(7000)), "event_id": "e5"},
+                   ({"type": "input_audio_buffer.append", "audio": b64(silence(21000)), "event_id": "e5"},
                     "audio", "input_audio_buffer_full"),
                    ({"type": "input_audio_buffer.commit", "event_id": "e6"}, None,
                     "input_audio_buffer_commit_empty"),

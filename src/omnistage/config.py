@@ -138,7 +138,9 @@ class DeployConfig:
     `switch_interval_ms`: Python's thread switch interval in this process (stage threads share one GIL;
     Python's default is 5 ms).
     `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
-    processes hold (pipeline/placement/memory.py), as vLLM's flag of that name."""
+    processes hold (pipeline/placement/memory.py), as vLLM's flag of that name.
+    `realtime_streaming_input`: a realtime spoken turn (server VAD) is encoded and prefilled while the user
+    speaks (`AsyncOmni.open_request`); False: only once it is committed."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -149,6 +151,7 @@ class DeployConfig:
     placement: str = _opt("local", _placement)
     switch_interval_ms: float = _opt(5.0, _interval)
     gpu_memory_utilization: float = _opt(0.9, _utilization)
+    realtime_streaming_input: bool = _opt(True, _bool)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

@@ -155,6 +155,12 @@ class StreamingPrompt:
         self.request_id = stream.req.request_id
         self.closed = False
 
+    @property
+    def early_audio_rows(self) -> int:
+        """Rows of the audio's complete encoder windows sent to the thinker before close (after close: those
+        close kept, i.e. not encoded again)."""
+        return self.stream.rows * len(self.stream.sent)
+
     async def append_audio(self, pcm16k: np.ndarray) -> None:
         """16 kHz mono float samples (the feature extraction of a completed window runs off the loop)."""
         await asyncio.get_running_loop().run_in_executor(None, self.stream.append_audio, pcm16k)

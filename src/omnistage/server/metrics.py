@@ -53,10 +53,14 @@ class ServerMetrics:
         self.graph_replays = Counter(f"{p}_stage_graph_replays_total", "CUDA graph replays timed.", ("stage",))
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
+        self.realtime_streamed_rows = Counter(
+            f"{p}_realtime_streamed_prompt_rows_total",
+            "Prompt rows of realtime spoken turns (their audio's encoder windows) prefilled while spoken.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.phase, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
-                     self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.waiting, self.waiting_tokens, self.rss]
+                     self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.waiting,
+                     self.waiting_tokens, self.realtime_streamed_rows, self.rss]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
                       kv_blocks_total: int | None = None, active: int | None = None,

@@ -33,7 +33,26 @@ class EngineClient(Protocol):
                  talker_sampling: TalkerSamplingParams | None, voice: str | None,
                  use_audio_in_video: bool) -> AsyncIterator[OutputDelta]: ...
 
+    async def open_request(self, request_id: str, messages: list[dict], sampling: SamplingParams,
+                           talker_sampling: TalkerSamplingParams | None, voice: str | None) -> StreamingInput:
+        """A request whose last user message ends with an audio still arriving (AsyncOmni.open_request);
+        raises ValueError or EngineOverloaded (refused)."""
+
     async def abort(self, request_id: str) -> None: ...
+
+
+class StreamingInput(Protocol):
+    """An open request (AsyncOmni's StreamingPrompt): `append_audio` (16 kHz float, each awaited before the
+    next), then `close(audio)`, its deltas as `generate`'s; `abort()` frees it."""
+
+    request_id: str
+    early_audio_rows: int  # rows of the audio's encoder windows the thinker got before close (kept, after it)
+
+    async def append_audio(self, pcm16k: np.ndarray) -> None: ...
+
+    def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]: ...
+
+    async def abort(self) -> None: ...
 
 
 class EngineFailed(OpenAIError):
@@ -79,9 +98,14 @@ class RequestClock:
 async def start_request(engine: EngineClient, request_id: str, messages: list[dict], sampling: SamplingParams,
                         talker_sampling: TalkerSamplingParams | None, voice: str | None,
                         use_audio_in_video: bool = False) -> AsyncIterator[OutputDelta]:
-    """The request's deltas once the engine has admitted it (its first delta is in hand), so a refusal is
-    still a 400 rather than a broken stream."""
-    deltas = engine.generate(request_id, messages, sampling, talker_sampling, voice, use_audio_in_video)
+    """The request's deltas once the engine has admitted it (see `admitted`)."""
+    return await admitted(engine.generate(request_id, messages, sampling, talker_sampling, voice,
+                                          use_audio_in_video))
+
+
+async def admitted(deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
+    """`deltas` once its first is in hand, so a refusal is still a 400 (a full admission a 429, a dead
+    engine a 503) rather than a broken stream."""
     try:
         first = await anext(deltas)
     except StopAsyncIteration:

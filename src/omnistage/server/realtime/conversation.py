@@ -36,9 +36,14 @@ def decode_pcm(data: str, param: str) -> bytes:
     return pcm
 
 
+def pcm_float(pcm: bytes) -> np.ndarray:
+    """s16le -> float32, with the same scaling as soundfile's read of a PCM_16 wav."""
+    return np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0
+
+
 def pcm_to_16k(pcm: bytes) -> np.ndarray:
-    """s16le 24 kHz -> float32 16 kHz, with the same scaling as soundfile's read of a PCM_16 wav."""
-    return resample(np.frombuffer(pcm, "<i2").astype(np.float32) / 32768.0, SAMPLE_RATE, AUDIO_INPUT_RATE)
+    """s16le 24 kHz -> float32 16 kHz."""
+    return resample(pcm_float(pcm), SAMPLE_RATE, AUDIO_INPUT_RATE)
 
 
 def pcm_ms(num_bytes: int) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from fastapi import FastAPI, WebSocket
 
 from omnistage.config import DeployConfig
@@ -45,11 +45,13 @@ class Vad:
 
 
 def install_realtime(app: FastAPI, engine: EngineClient, model_name: str, deploy: DeployConfig,
-                     voices: Sequence[str], transcripts: TranscriptStore, max_audio_seconds: float) -> Vad:
-    """The /v1/realtime route; returns the Vad to close at shutdown."""
+                     voices: Sequence[str], transcripts: TranscriptStore, max_audio_seconds: float,
+                     streamed_rows: Callable[[int], None]) -> Vad:
+    """The /v1/realtime route; returns the Vad to close at shutdown. `streamed_rows(n)`: a response got n
+    prompt rows prefilled while its turn was spoken."""
     vad = Vad()
     ctx = SessionContext(engine, model_name, deploy, voices, transcripts, vad.detector,
-                         int(max_audio_seconds * SAMPLE_RATE) * 2)
+                         int(max_audio_seconds * SAMPLE_RATE) * 2, streamed_rows)
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket, model: str | None = None) -> None:

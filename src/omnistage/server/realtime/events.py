@@ -8,7 +8,7 @@ import json
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
 
 from omnistage.server.errors import validation_error
 
@@ -79,7 +79,7 @@ class ResponseAudio(_Strict):
 
 
 class ResponseParams(_Strict):
-    """response.create's `response`, with the session's extensions (max_audio_frames, seed)."""
+    """response.create's `response`, with the session's extensions (max_audio_frames, seed, ignore_eos)."""
 
     instructions: str | None = None
     output_modalities: list[Literal["text", "audio"]] | None = Field(None, min_length=1, max_length=1)
@@ -87,6 +87,7 @@ class ResponseParams(_Strict):
     max_output_tokens: int | Literal["inf"] | None = None
     max_audio_frames: int | None = Field(None, ge=1)
     seed: int | None = None
+    ignore_eos: StrictBool | None = None
     conversation: Literal["auto", "none"] | None = None
     input: list[ItemIn] | None = None
     metadata: dict[str, str] | None = None

@@ -1,8 +1,9 @@
 """24 kHz -> 16 kHz polyphase resampling of a stream, fed in pieces of any length.
 
-Output sample n is scipy's `resample_poly(x, 2, 3)[n]` of the whole stream (same filter, same alignment):
-it is emitted once every input sample its filter reaches has arrived, so the output never depends on how the
-input was cut (the stream's last ~10 samples wait for more input instead of being zero-padded).
+Output sample n is scipy's `resample_poly(x, 2, 3)[n]` of the whole float32 stream, bit for bit (same
+float32 filter, same alignment): it is emitted once every input sample its filter reaches has arrived, so the
+output never depends on how the input was cut (the stream's last ~10 samples wait for more input instead of
+being zero-padded).
 """
 
 from __future__ import annotations
@@ -12,7 +13,8 @@ from scipy.signal import firwin, upfirdn
 
 UP, DOWN = 2, 3
 HALF_LEN = 10 * DOWN  # resample_poly's default filter: 2 * HALF_LEN + 1 taps, kaiser(5.0), cutoff 1 / DOWN
-TAPS = firwin(2 * HALF_LEN + 1, 1.0 / DOWN, window=("kaiser", 5.0)) * UP
+# NOTE: float32 taps, as resample_poly makes them for float32 input (float64 ones differ in the last bit)
+TAPS = firwin(2 * HALF_LEN + 1, 1.0 / DOWN, window=("kaiser", 5.0)).astype(np.float32) * np.float32(UP)
 
 
 class StreamResampler:

@@ -1,34 +1,35 @@
 """One realtime session's state machine: its settings, input audio buffer (with turn detection), conversation
-and the response playing. Client events are handled one at a time, in order (`handle`); a response plays as
-its own task (response.py), so appends, cancels and barge-in are handled while it plays.
+and the response playing (player.py). Client events are handled one at a time, in order (`handle`); a
+response plays as its own task (response.py), so appends, cancels and barge-in are handled while it plays.
 
 Turns with server_vad: speech_started (cancels a playing response when interrupt_response) and
 speech_stopped from the session's TurnDetector; speech_stopped commits the audio from speech start (the
 detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
 the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
-commit then commits those).
+commit then commits those). A turn that server VAD will answer is prefilled while it is spoken
+(early_prefill.py).
 """
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from omnistage.config import DeployConfig
-from omnistage.outputs import SAMPLE_RATE, OutputDelta
-from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.realtime import events as ev
 from omnistage.server.realtime.conversation import Conversation, Item, Part, decode_pcm, item_from
+from omnistage.server.realtime.early_prefill import EarlyPrefill
 from omnistage.server.realtime.events import RealtimeError, new_id, server_event
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
-from omnistage.server.realtime.response import Emit, Response, new_response, play
+from omnistage.server.realtime.player import Player
+from omnistage.server.realtime.response import Emit
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
-from omnistage.server.serving import EngineClient, start_request
+from omnistage.server.serving import EngineClient
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
 
@@ -44,6 +45,7 @@ class SessionContext:
     transcripts: TranscriptStore
     detector: Callable[[TurnDetection], TurnDetector]  # a new turn detector with these settings
     max_buffer_bytes: int  # the input audio buffer's bound (the server's --max-audio-seconds)
+    streamed_rows: Callable[[int], None]  # a response got this many prompt rows prefilled while spoken
 
 
 class RealtimeSession:
@@ -52,12 +54,13 @@ class RealtimeSession:
         self.id = new_id("sess")
         self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
-        self.response: Response | None = None
         self.closed = False
         self._input = InputAudioBuffer(ctx.max_buffer_bytes)
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
+        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.streamed_rows)
+        self._player = Player(ctx, self._early, self._emit)
 
     async def start(self) -> None:
         self._new_detector()
@@ -76,7 +79,7 @@ class RealtimeSession:
     async def close(self) -> None:
         """The socket is gone: stop the response (aborting its request), send nothing more."""
         self.closed = True
-        await self._cancel("client_cancelled")
+        await self._player.cancel("client_cancelled")
 
     # -- input audio --------------------------------------------------------------------------------------
 
@@ -90,6 +93,8 @@ class RealtimeSession:
         if self._speech is None:
             padding = self.settings.audio.input.turn_detection.prefix_padding_ms
             self._input.drop_until(self._input.end - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
+        else:
+            await self._early.feed(self._input)
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         at = self._detector_base + turn.audio_ms * SAMPLE_RATE // 1000
@@ -100,19 +105,24 @@ class RealtimeSession:
             await self._emit(server_event("input_audio_buffer.speech_started", audio_start_ms=turn.audio_ms,
                                           item_id=self._speech))
             if vad.interrupt_response:
-                await self._cancel("turn_detected")
+                await self._player.cancel("turn_detected")
+            if vad.create_response and not self._player.playing:
+                await self._early.open(self.settings, self.conversation, self._speech, self._input)
         elif self._speech is not None:
             item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
-            await self._commit(self._input.take_until(at), item_id)
-            if vad.create_response and not self._playing():
-                await self._respond(ev.ResponseParams())
+            try:
+                await self._commit(self._input.take_until(at), item_id)
+                if vad.create_response and not self._player.playing:
+                    await self._respond(ev.ResponseParams())
+            finally:
+                await self._early.abort()  # not taken by the response
 
     async def _commit_event(self, event: ev.AudioCommit) -> None:
         item_id = self._speech or new_id("item")
         pcm = self._input.take_all()
-        self._reset_turn()
+        await self._reset_turn()
         await self._commit(pcm, item_id)
 
     async def _commit(self, pcm: bytes, item_id: str) -> None:
@@ -125,11 +135,12 @@ class RealtimeSession:
 
     async def _clear(self, event: ev.AudioClear) -> None:
         self._input.clear()
-        self._reset_turn()
+        await self._reset_turn()
         await self._emit(server_event("input_audio_buffer.cleared"))
 
-    def _reset_turn(self) -> None:
+    async def _reset_turn(self) -> None:
         self._speech = None
+        await self._early.abort()
         if self._detector is not None:
             self._detector.reset()
 
@@ -142,6 +153,7 @@ class RealtimeSession:
 
     async def _update(self, event: ev.SessionUpdate) -> None:
         new = updated(self.settings, event.session, self.ctx.voices, self.ctx.model_name)
+        await self._early.abort()  # the turn's prompt or sampling may have changed
         vad_changed = new.audio.input.turn_detection != self.settings.audio.input.turn_detection
         self.settings = new
         if vad_changed:
@@ -171,8 +183,8 @@ class RealtimeSession:
         """Cut an answer to what the user heard: `audio_end_ms` of its audio and the matching transcript."""
         item = self.conversation.get(event.item_id)
         samples = item.audio_cut(event.content_index, event.audio_end_ms)
-        if self.response is not None and self.response.item is item:
-            await self._cancel("client_cancelled")
+        if self._player.response is not None and self._player.response.item is item:
+            await self._player.cancel("client_cancelled")
         item.truncate(samples)
         self.ctx.transcripts.put(item.id, item.parts[0].text)
         await self._emit(server_event("conversation.item.truncated", item_id=item.id,
@@ -184,51 +196,16 @@ class RealtimeSession:
         await self._respond(event.response or ev.ResponseParams())
 
     async def _respond(self, params: ev.ResponseParams) -> None:
-        if self._playing():
-            raise RealtimeError(f"Conversation already has an active response in progress: "
-                                f"{self.response.id}. Wait until the response is finished before creating a "
-                                "new one.", None, "conversation_already_has_active_response")
-        self.response, messages, sampling, talker = new_response(self.settings, params, self.conversation,
-                                                                 self.ctx.voices, self.ctx.deploy)
-        await self._emit(server_event("response.created", response=self.response.api()))
-        self._start_response(self.response, messages, sampling, talker)
-
-    def _start_response(self, response: Response, messages: list[dict], sampling: SamplingParams,
-                        talker: TalkerSamplingParams | None) -> None:
-        """The one place a response's prompt (the conversation's messages) becomes an engine request."""
-        voice = response.settings.voice.lower()
-
-        def start() -> Awaitable[AsyncIterator[OutputDelta]]:
-            return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice)
-
-        response.task = asyncio.create_task(self._play(response, start))
-
-    async def _play(self, response: Response,
-                    start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
-        await play(response, start, self.ctx.engine.abort, self._emit)
-        if response.audio and response.conversation is not None:
-            self.ctx.transcripts.put(response.item.id, response.item.parts[0].text)
+        await self._player.respond(self.settings, params, self.conversation)
 
     async def _cancel_event(self, event: ev.ResponseCancel) -> None:
-        if event.response_id is not None and (self.response is None or event.response_id != self.response.id):
+        response = self._player.response
+        if event.response_id is not None and (response is None or event.response_id != response.id):
             raise RealtimeError(f"response_id: no response {event.response_id!r} is in progress.",
                                 "response_id", "response_cancel_not_active")
-        if not await self._cancel("client_cancelled"):
+        if not await self._player.cancel("client_cancelled"):
             raise RealtimeError("Cancellation failed: no active response found.", None,
                                 "response_cancel_not_active")
-
-    async def _cancel(self, reason: str) -> bool:
-        """Stops the playing response (its request aborted in every stage, its answer truncated to what was
-        sent) and waits until its response.done is out. False when none is playing."""
-        if not self._playing():
-            return False
-        self.response.cancel_reason = reason
-        self.response.task.cancel()
-        await asyncio.wait([self.response.task])
-        return True
-
-    def _playing(self) -> bool:
-        return self.response is not None and self.response.task is not None and not self.response.task.done()
 
     async def _emit(self, event: dict) -> None:
         if not self.closed:

@@ -2,9 +2,10 @@
 checked, the session object the server sends, and the sampling params of one response.
 
 Audio is `audio/pcm` at 24 kHz both ways (what code2wav makes); `output_modalities` is ["audio"] (audio and
-its transcript) or ["text"]. Extensions: `max_audio_frames` (as the chat endpoint's) and `seed` (seeds the
-thinker and the talker, as chat's `seed`); `max_output_tokens` caps the thinker's tokens ("inf": the deploy
-default).
+its transcript) or ["text"]. Extensions: `max_audio_frames` (as the chat endpoint's), `seed` (seeds the
+thinker and the talker, as chat's `seed`) and `ignore_eos` (the thinker and the talker ignore their end of
+turn, as chat's `ignore_eos` and `talker.ignore_eos`: answers of exactly the token / frame caps);
+`max_output_tokens` caps the thinker's tokens ("inf": the deploy default).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Literal
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, StrictBool, ValidationError, field_validator
 
 from omnistage.config import DeployConfig
 from omnistage.outputs import NO_AUDIO_OUTPUT
@@ -20,6 +21,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.errors import OpenAIError
 from omnistage.server.protocol import (
     ChatCompletionRequest,
+    TalkerParams,
     resolve_voice,
     talker_sampling_params,
     thinker_sampling_params,
@@ -75,6 +77,7 @@ class SessionSettings(_Strict):
     max_output_tokens: int | Literal["inf"] = "inf"
     max_audio_frames: int | None = Field(None, ge=1)
     seed: int | None = None
+    ignore_eos: StrictBool = False
     tools: list[None] = Field([], max_length=0)
     tool_choice: Literal["auto", "none"] = "auto"
 
@@ -121,7 +124,8 @@ def voice(name: str, voices: Sequence[str], param: str) -> str:
 
 
 def session_object(settings: SessionSettings, session_id: str, model_name: str) -> dict:
-    return {**settings.model_dump(exclude={"seed"} if settings.seed is None else set()),
+    unset = {k for k, v in (("seed", settings.seed is None), ("ignore_eos", not settings.ignore_eos)) if v}
+    return {**settings.model_dump(exclude=unset),
             "object": "realtime.session", "id": session_id, "model": model_name}
 
 
@@ -148,6 +152,7 @@ class Resolved:
                                 "response.max_output_tokens")
         self.max_audio_frames = params.max_audio_frames or settings.max_audio_frames
         self.seed = settings.seed if params.seed is None else params.seed
+        self.ignore_eos = settings.ignore_eos if params.ignore_eos is None else params.ignore_eos
 
     @property
     def wants_audio(self) -> bool:
@@ -158,7 +163,8 @@ class Resolved:
         request with these fields would be)."""
         fields = ChatCompletionRequest.model_construct(
             max_tokens=None if self.max_output_tokens == "inf" else self.max_output_tokens, seed=self.seed,
-            max_audio_frames=self.max_audio_frames, talker=None)
+            max_audio_frames=self.max_audio_frames, ignore_eos=self.ignore_eos or None,
+            talker=TalkerParams(ignore_eos=True) if self.ignore_eos else None)
         try:
             sampling = thinker_sampling_params(fields, deploy.stages.thinker.sampling)
             talker = (talker_sampling_params(fields, deploy.stages.talker.sampling) if self.wants_audio

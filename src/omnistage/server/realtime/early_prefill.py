@@ -1,0 +1,128 @@
+"""Streaming input for a spoken turn (server VAD; deploy `realtime_streaming_input`): at speech start the
+turn's request is opened (`EngineClient.open_request`) with the prompt the committed turn will have (its
+growing audio the last content part), and the turn's audio goes to it as it is appended (24 -> 16 kHz by
+`StreamResampler`, bit-equal to the committed clip's `pcm_to_16k`), so the thinker encodes and prefills the
+turn's complete encoder windows while the user speaks: end of turn -> first audio does not grow with the
+turn. The turn's response takes the open request when its prompt, sampling and voice are still those it was
+opened with, and closes it with the exact clip (the engine checks what it got against it); otherwise the
+request is aborted and the response takes the ordinary path."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from omnistage.config import DeployConfig
+from omnistage.outputs import OutputDelta
+from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
+from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
+from omnistage.server.realtime.conversation import Conversation, Item, Part, pcm_float
+from omnistage.server.realtime.events import RealtimeError, ResponseParams
+from omnistage.server.realtime.input_buffer import InputAudioBuffer
+from omnistage.server.realtime.resample import StreamResampler
+from omnistage.server.realtime.response import Response, new_response
+from omnistage.server.realtime.settings import SessionSettings
+from omnistage.server.serving import EngineClient, StreamingInput, admitted
+
+logger = logging.getLogger(__name__)
+RequestKey = tuple[list[dict], SamplingParams, TalkerSamplingParams | None, str]
+
+
+class EarlyPrefill:
+    """A session's open request for the turn being spoken (at most one)."""
+
+    def __init__(self, engine: EngineClient, voices: Sequence[str], deploy: DeployConfig,
+                 streamed_rows: Callable[[int], None]) -> None:
+        """`streamed_rows(n)`: a turn's response got `n` prompt rows prefilled before its end."""
+        self.engine, self.voices, self.deploy, self.streamed_rows = engine, voices, deploy, streamed_rows
+        self._open: StreamingInput | None = None
+        self._key: RequestKey | None = None
+        self._taken: StreamingInput | None = None  # taken by a response whose task has not closed it yet
+        self._resampler = StreamResampler()  # the open request's
+        self._fed = 0  # the session sample up to which the input audio went to it
+
+    async def open(self, settings: SessionSettings, conversation: Conversation, item_id: str,
+                   buffer: InputAudioBuffer) -> None:
+        """Opens the request of the turn `item_id` (its audio: `buffer`'s from `buffer.origin` on), as its
+        server VAD response will be made; a turn the engine refuses now is left to the ordinary path."""
+        await self.abort()
+        if not self.deploy.realtime_streaming_input:
+            return
+        pending = Conversation()
+        pending.items = [*conversation.items, Item(item_id, "user", [Part("input_audio", pcm=b"")])]
+        try:
+            response, *request = new_response(settings, ResponseParams(), pending, self.voices, self.deploy)
+            key = _key(response, *request)
+            self._open = await self.engine.open_request(response.id, *key)
+        except (RealtimeError, ValueError, EngineOverloaded, EngineDeadError) as e:
+            logger.debug("realtime turn %s not streamed: %s", item_id, e)
+            return
+        self._key, self._resampler, self._fed = key, StreamResampler(), buffer.origin
+        await self.feed(buffer)
+
+    async def feed(self, buffer: InputAudioBuffer) -> None:
+        """The audio appended to `buffer` since the last feed goes to the open request."""
+        if self._open is None or buffer.end <= self._fed:
+            return
+        pcm = bytes(buffer.pcm[(self._fed - buffer.origin) * 2:])
+        self._fed = buffer.end
+        try:
+            await self._open.append_audio(self._resampler.push(pcm_float(pcm)))
+        except Exception:
+            logger.exception("streaming a realtime turn's audio failed; it takes the ordinary path")
+            await self.abort()
+
+    def take(self, response: Response, messages: list[dict], sampling: SamplingParams,
+             talker: TalkerSamplingParams | None) -> StreamingInput | None:
+        """The open request, when `response` (new_response's) is the one it was opened for; the response
+        then takes its id (the engine's request id)."""
+        if self._open is None or not _same(_key(response, messages, sampling, talker), self._key):
+            return None
+        self._taken, self._open = self._open, None
+        response.id = self._taken.request_id
+        return self._taken
+
+    async def close(self, stream: StreamingInput, messages: list[dict]) -> AsyncIterator[OutputDelta]:
+        """A taken request's deltas once admitted (as `start_request`'s), closed with the committed clip."""
+        self._taken = None
+        deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
+        self.streamed_rows(stream.early_audio_rows)
+        return deltas
+
+    async def abort(self) -> None:
+        """Frees the open request: its turn ended without a response for it, or its prompt went stale."""
+        if self._open is not None:
+            stream, self._open = self._open, None
+            await stream.abort()
+
+    async def cancelled(self) -> None:
+        """The playing response was cancelled: if that was before its task ran, the request it took was
+        never closed (nor aborted by the task)."""
+        if self._taken is not None:
+            stream, self._taken = self._taken, None
+            await stream.abort()
+
+
+def _key(response: Response, messages: list[dict], sampling: SamplingParams,
+         talker: TalkerSamplingParams | None) -> RequestKey | None:
+    """open_request's arguments for `response`'s turn: the messages without the turn's audio (the last
+    user message's last part); None when they do not end with one."""
+    last = messages[-1]
+    if last["role"] != "user" or not last["content"] or last["content"][-1]["type"] != "audio":
+        return None
+    return ([*messages[:-1], {**last, "content": last["content"][:-1]}], sampling, talker,
+            response.settings.voice.lower())
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, arrays by value (chat messages hold the user audio as numpy arrays)."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and (a is b or np.array_equal(a, b))
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same, a, b))
+    return a == b
