@@ -74,3 +74,6 @@ def test_realtime_bench_against_the_tiny_server(server, tmp_path):
     assert row["mean_vad_to_first_audio_ms"] > 0 and row["mean_rtf"] > 0
     assert row["turn_s"] == pytest.approx(37655 / 16000, abs=1e-3)  # the clip up to its last loud sample
     assert "| question_2s |" in (tmp_path / TABLE).read_text()
+    phases = row["phases_ms"]  # the server's phase means over the row's answers (/metrics before and after)
+    assert 0 < phases["first_token"] <= phases["first_frame"] <= phases["first_audio"]
+    assert row["stages"]["thinker"]["steps_per_s"] > 0

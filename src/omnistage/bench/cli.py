@@ -97,7 +97,7 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
     async with httpx.AsyncClient(base_url=args.base_url, headers=headers, limits=limits, timeout=timeout) as client:
         model = args.model or await served_model(client)
         if args.realtime:
-            return await realtime_sweep(args, model), skipped
+            return await realtime_sweep(args, model, client), skipped
 
         def bodies(p: int, n: int, seed: int) -> list[dict]:
             return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,

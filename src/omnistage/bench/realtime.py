@@ -217,14 +217,22 @@ async def idle_sessions(args, model: str | None):
         await asyncio.gather(*tasks)
 
 
-async def realtime_sweep(args, model: str | None) -> list[dict]:
+async def realtime_sweep(args, model: str | None, client=None) -> list[dict]:
+    """The rows; with `client` (httpx, the server's base URL) each gets the server's stage and phase figures
+    over it (as chat rows do: /metrics before and after)."""
+    from omnistage.bench.stage_stats import row_server_stats, scrape_server_counters
+
     rows = []
     async with idle_sessions(args, model):
         if args.warmup:
             await _row(args, model, 1, args.clips[0], 1)
         for clip in args.clips:
             for c in args.concurrency:
+                before = client and await scrape_server_counters(client)
                 rows.append(await _row(args, model, c, clip, args.turns))
+                if client is not None:
+                    after = await scrape_server_counters(client)
+                    rows[-1].update(row_server_stats(before, after, rows[-1]["duration_s"]))
                 _print_row(rows[-1])
     return rows
 

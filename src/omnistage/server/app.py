@@ -72,7 +72,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     install_speech(app, engine, model_name, deploy, voices, metrics)
     transcripts = TranscriptStore()
     app.state.realtime_vad = install_realtime(app, engine, model_name, deploy, voices, transcripts,
-                                              max_audio_seconds, metrics.realtime_streamed_rows.inc)
+                                              max_audio_seconds, metrics)
     started = int(time.time())
 
     @app.get("/health")

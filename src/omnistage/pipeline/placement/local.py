@@ -76,7 +76,7 @@ def build_replica(p: Placement, name: str, replica: int, module: torch.nn.Module
     """One stage replica of a loaded `module` with `num_blocks` KV blocks, its CUDA graphs captured. `to_next`
     takes its payloads (thinker -> talker -> code2wav); the thinker needs `tokenizer`, the talker the
     thinker's `tts_embeds`."""
-    sc, (dev, dt) = p.deploy.stage(name), p.place(name, replica)
+    sc, (dev, _) = p.deploy.stage(name), p.place(name, replica)
     # NOTE: graphs are captured on the current device's streams and pool: make it the replica's.
     with torch.cuda.device(dev) if dev.type == "cuda" else contextlib.nullcontext():
         stage = _stage(p, name, sc, module, num_blocks, to_next, tokenizer, tts)

@@ -10,7 +10,7 @@ request is aborted and the response takes the ordinary path."""
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -21,6 +21,7 @@ from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime.conversation import Conversation, Item, Part, pcm_float
 from omnistage.server.realtime.events import RealtimeError, ResponseParams
+from omnistage.server.metrics import ServerMetrics
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.resample import StreamResampler
 from omnistage.server.realtime.response import Response, new_response
@@ -35,9 +36,8 @@ class EarlyPrefill:
     """A session's open request for the turn being spoken (at most one)."""
 
     def __init__(self, engine: EngineClient, voices: Sequence[str], deploy: DeployConfig,
-                 streamed_rows: Callable[[int], None]) -> None:
-        """`streamed_rows(n)`: a turn's response got `n` prompt rows prefilled before its end."""
-        self.engine, self.voices, self.deploy, self.streamed_rows = engine, voices, deploy, streamed_rows
+                 metrics: ServerMetrics) -> None:
+        self.engine, self.voices, self.deploy, self.metrics = engine, voices, deploy, metrics
         self._open: StreamingInput | None = None
         self._key: RequestKey | None = None
         self._taken: StreamingInput | None = None  # taken by a response whose task has not closed it yet
@@ -89,7 +89,7 @@ class EarlyPrefill:
         """A taken request's deltas once admitted (as `start_request`'s), closed with the committed clip."""
         self._taken = None
         deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
-        self.streamed_rows(stream.early_audio_rows)
+        self.metrics.realtime_streamed_rows.inc(stream.early_audio_rows)
         return deltas
 
     async def abort(self) -> None:

@@ -11,11 +11,12 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from fastapi import FastAPI, WebSocket
 
 from omnistage.config import DeployConfig
 from omnistage.outputs import SAMPLE_RATE
+from omnistage.server.metrics import ServerMetrics
 from omnistage.server.realtime.events import RealtimeError, error_event
 from omnistage.server.realtime.session import RealtimeSession, SessionContext
 from omnistage.server.realtime.settings import TurnDetection
@@ -46,12 +47,11 @@ class Vad:
 
 def install_realtime(app: FastAPI, engine: EngineClient, model_name: str, deploy: DeployConfig,
                      voices: Sequence[str], transcripts: TranscriptStore, max_audio_seconds: float,
-                     streamed_rows: Callable[[int], None]) -> Vad:
-    """The /v1/realtime route; returns the Vad to close at shutdown. `streamed_rows(n)`: a response got n
-    prompt rows prefilled while its turn was spoken."""
+                     metrics: ServerMetrics) -> Vad:
+    """The /v1/realtime route; returns the Vad to close at shutdown."""
     vad = Vad()
     ctx = SessionContext(engine, model_name, deploy, voices, transcripts, vad.detector,
-                         int(max_audio_seconds * SAMPLE_RATE) * 2, streamed_rows)
+                         int(max_audio_seconds * SAMPLE_RATE) * 2, metrics)
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket, model: str | None = None) -> None:

@@ -16,7 +16,7 @@ from omnistage.server.realtime.early_prefill import EarlyPrefill
 from omnistage.server.realtime.events import RealtimeError, ResponseParams, server_event
 from omnistage.server.realtime.response import Emit, Response, new_response, play
 from omnistage.server.realtime.settings import SessionSettings
-from omnistage.server.serving import StreamingInput, start_request
+from omnistage.server.serving import RequestClock, StreamingInput, start_request
 
 if TYPE_CHECKING:
     from omnistage.server.realtime.session import SessionContext
@@ -58,7 +58,10 @@ class Player:
 
     async def _play(self, response: Response,
                     start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]]) -> None:
-        await play(response, start, self.ctx.engine.abort, self._emit)
+        clock = RequestClock()
+        await play(response, start, self.ctx.engine.abort, self._emit, clock)
+        if response.status in ("completed", "incomplete"):  # answers that ran their course
+            clock.report(self.ctx.metrics)
         if response.audio and response.conversation is not None:
             self.ctx.transcripts.put(response.item.id, response.item.parts[0].text)
 

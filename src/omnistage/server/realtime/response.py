@@ -20,6 +20,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime.conversation import Conversation, Item, Part, chat_messages, item_from
 from omnistage.server.realtime.events import RealtimeError, ResponseParams, new_id, server_event
 from omnistage.server.realtime.settings import Resolved, SessionSettings
+from omnistage.server.serving import RequestClock
 
 logger = logging.getLogger(__name__)
 Emit = Callable[[dict], Awaitable[None]]
@@ -156,8 +157,9 @@ def new_response(settings: SessionSettings, params: ResponseParams, conversation
 
 
 async def play(response: Response, start: Callable[[], Awaitable[AsyncIterator[OutputDelta]]],
-               abort: Callable[[str], Awaitable[None]], emit: Emit) -> None:
-    """Runs `response`: `start()` admits its engine request; events go out through `emit`."""
+               abort: Callable[[str], Awaitable[None]], emit: Emit, clock: RequestClock) -> None:
+    """Runs `response`: `start()` admits its engine request; events go out through `emit`; `clock` sees
+    every delta (the metrics' times)."""
     started, last = False, OutputDelta(response.id)
     try:
         deltas = await start()
@@ -165,6 +167,7 @@ async def play(response: Response, start: Callable[[], Awaitable[AsyncIterator[O
             await emit(event)
         started = True
         async for last in deltas:
+            clock.saw(last)
             for event in response.deltas(last):
                 await emit(event)
         response.finish(last)

@@ -29,6 +29,7 @@ from omnistage.server.realtime.response import Emit
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
+from omnistage.server.metrics import ServerMetrics
 from omnistage.server.serving import EngineClient
 
 KEEP_MS = 2000  # audio kept before the prefix padding while silent: the detector reports a start this late
@@ -45,7 +46,7 @@ class SessionContext:
     transcripts: TranscriptStore
     detector: Callable[[TurnDetection], TurnDetector]  # a new turn detector with these settings
     max_buffer_bytes: int  # the input audio buffer's bound (the server's --max-audio-seconds)
-    streamed_rows: Callable[[int], None]  # a response got this many prompt rows prefilled while spoken
+    metrics: ServerMetrics  # the app's: answers' latencies, prompt rows prefilled while spoken
 
 
 class RealtimeSession:
@@ -59,7 +60,7 @@ class RealtimeSession:
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
-        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.streamed_rows)
+        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.metrics)
         self._player = Player(ctx, self._early, self._emit)
 
     async def start(self) -> None:
