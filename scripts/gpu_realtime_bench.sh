@@ -3,6 +3,7 @@
 # weights (`omnistage serve --load-format dummy`, as scripts/gpu_bench.sh starts it) and issue 19's realtime
 # rows into $OUT (results.json results.md server.log bench.log), answers of 80 frames (BENCH_FRAMES):
 #   1. a 2 s turn at 1 and 32 sessions, 6 turns each, turns 3 and 6 barging into the answer before them;
+#   1b. the same at 32 sessions started over 10 s (BENCH_STAGGER_S), so turns are not in lockstep;
 #   2. a 20 s turn at 1 and 32 sessions, 2 turns each (end-of-turn latency against the 2 s turn's);
 #   3. a chat row (P=160, c=16) alone, then the same row beside 64 idle realtime sessions (decode cost).
 # Wheels as scripts/gpu_bench.sh (silero-vad and websockets among them):  scripts/gpu_bench.sh prepare
@@ -32,6 +33,9 @@ RT=(--realtime --base-url "$URL" --random-weights --max-frames "${BENCH_FRAMES:-
     --output-dir "$OUT")
 echo "[$((SECONDS - T0)) s] realtime, 2 s turns with barge-in"
 "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_2s --turns 6 --barge-in-every 3 --warmup 1
+echo "[$((SECONDS - T0)) s] realtime, 2 s turns, 32 sessions started over 10 s (turns not in lockstep)"
+"$PY" -m omnistage.cli bench "${RT[@]}" --concurrency 32 --clips question_2s --turns 6 --barge-in-every 3 \
+  --warmup 0 --stagger-s "${BENCH_STAGGER_S:-10}"  # the later --concurrency wins
 echo "[$((SECONDS - T0)) s] realtime, 20 s turns"
 (($(left) > 120)) && "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_20s --turns 2 --barge-in-every 0 --warmup 0
 
@@ -46,6 +50,7 @@ if ((ROW_S > 20)); then
   "$PY" -m omnistage.cli bench "${CHAT[@]}" --warmup 0 --time-budget "$ROW_S" --idle-sessions "$IDLE" \
     --variant "$IDLE idle realtime sessions"
 fi
+"$PY" -c "import httpx; print(httpx.get('$URL/metrics').text)" > "$OUT/metrics.txt" 2>&1
 stop_server
 echo "[$((SECONDS - T0)) s] done"
 cat "$OUT/results.md"

@@ -46,8 +46,8 @@ def test_turn_row_arithmetic():
     assert (row["mean_rtf"], row["mean_stall_ms"], row["mean_barge_in_to_silence_ms"]) == (
         pytest.approx(1.0), pytest.approx(50.0), pytest.approx(50.0))
     table = markdown({"meta": {"date": "d", "commit": "c", "device": "cpu", "gpus": 0, "workload": "realtime"},
-                      "rows": [row]})
-    assert "| question_2s | 2.6 | 2 | 64 | 2 | 1 | 525 | 75 | " in table
+                      "rows": [row | {"stagger_s": 10.0}]})
+    assert "| question_2s | 2.6 | 2 | 10 | 64 | 2 | 1 | 525 | 75 | " in table
 
 
 def test_session_settings():

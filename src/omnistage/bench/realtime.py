@@ -194,6 +194,7 @@ async def _row(args, model: str | None, sessions: int, clip: str, turns: int) ->
                           end=time.perf_counter())
     row["extra_turns"] = sum(s.extra_turns for _, s in results)
     row["ignore_eos"] = all(s.ignore_eos for _, s in results)
+    row["stagger_s"] = args.stagger_s
     return row
 
 
