@@ -32,7 +32,8 @@ MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, **TU
 @pytest.fixture(scope="module")
 def rt_server(tmp_path_factory, tiny_dir):
     log = tmp_path_factory.mktemp("realtime") / "rt.log"
-    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20")
+    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20",
+                    "--deploy-overrides", '{"realtime_streaming_input": true}')
     try:
         server.wait_ready()
         yield server

@@ -140,7 +140,8 @@ class DeployConfig:
     `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
     processes hold (pipeline/placement/memory.py), as vLLM's flag of that name.
     `realtime_streaming_input`: a realtime spoken turn (server VAD) is encoded and prefilled while the user
-    speaks (`AsyncOmni.open_request`); False: only once it is committed."""
+    speaks (`AsyncOmni.open_request`); False (default: slower on the H200 so far, BENCHMARKS.md): only once
+    it is committed."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -151,7 +152,7 @@ class DeployConfig:
     placement: str = _opt("local", _placement)
     switch_interval_ms: float = _opt(5.0, _interval)
     gpu_memory_utilization: float = _opt(0.9, _utilization)
-    realtime_streaming_input: bool = _opt(True, _bool)
+    realtime_streaming_input: bool = _opt(False, _bool)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)
