@@ -8,8 +8,8 @@ const omni = window.omni = {
   events: {}, deltas: 0, samples: 0, answers: {}, played: 0, dropped: 0, heard: null, lastTurn: null,
   errors: [], session: {} };
 let model = null, ws = null, ctx = null, mic = null, player = null;
-// the answer in the player, the turn being timed, when push-to-talk was pressed
-let playing = null, turn = null, held = null;
+// the answer in the player, the response being made, the turn being timed, when push-to-talk was pressed
+let playing = null, responding = null, turn = null, held = null;
 const entries = new Map();
 
 function headers() { return $("key").value ? { Authorization: "Bearer " + $("key").value } : {}; }
@@ -95,7 +95,10 @@ const handlers = {
     if (!turn?.speech || entries.has(e.item_id)) return;
     say(`(${turn.speech.toFixed(1)} s of speech)`, "user", e.item_id);
   },
-  "response.created": (e) => { if (turn && !turn.response) turn.response = e.response.id; },
+  "response.created": (e) => {
+    responding = e.response.id;
+    if (turn && !turn.response) turn.response = e.response.id;
+  },
   "response.output_item.added": (e) => { if (e.item.role === "assistant") say("", "assistant", e.item.id); },
   "response.output_audio.delta": (e) => {
     const samples = pcm(e.delta);
@@ -108,6 +111,7 @@ const handlers = {
   },
   "conversation.item.truncated": (e) => entries.get(e.item_id)?.classList.add("cut"),
   "response.done": (e) => {
+    if (responding === e.response.id) responding = null;
     showTurn(e);
     $("status").textContent = `${listening()} (last answer: ${e.response.status})`;
   },
@@ -118,9 +122,10 @@ const ptt = () => $("ptt").checked;
 const listening = () => (ptt() ? "Hold the button (or the space bar) and speak." : "Listening…");
 const turnDetection = () => (ptt() ? null : { type: "server_vad" });
 
-function press() {  // push-to-talk: stop the answer, start a fresh input buffer
+function press() {  // push-to-talk: stop the answer (here and on the server), start a fresh input buffer
   if (!ws || !ptt() || held !== null) return;
   bargeIn();
+  if (responding) send({ type: "response.cancel", response_id: responding });
   send({ type: "input_audio_buffer.clear" });
   held = performance.now();
   $("talk").setAttribute("aria-pressed", "true");
@@ -180,7 +185,7 @@ function stop() {
   if (ws) { ws.onclose = null; ws.close(); ws = null; }
   mic?.stream.getTracks().forEach((t) => t.stop());
   ctx?.close();
-  mic = ctx = player = playing = turn = held = null;
+  mic = ctx = player = playing = responding = turn = held = null;
   $("start").textContent = "Start";
   $("status").textContent = "Stopped.";
 }
