@@ -1,7 +1,8 @@
 """GET / in a real browser: Debian's headless Chromium (driven by Playwright) opens the page on the keyed tiny
 server, its fake microphone says a question, server VAD ends the turn and the page plays the answer; the
 microphone speaks again while the answer plays: the page stops playback and truncates the answer to what was
-heard, and the second answer plays. Skips without Chromium (`apt-get install chromium`) or Playwright."""
+heard, and the second answer plays. Then push-to-talk: the space bar held and let go commits the (silent)
+input and asks for a third answer. Skips without Chromium (`apt-get install chromium`) or Playwright."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import pytest
 from fastapi import FastAPI, WebSocket
 from fastapi.testclient import TestClient
 
-from omnistage.server.errors import install_api_key
+from omnistage.server.errors import install_api_key, install_error_handlers
 from omnistage.server.page import install_page
 from omnistage.server.page.subprotocol import KEY_PREFIX, REALTIME
 from serve_process import KEY, MODEL, samples
@@ -26,9 +27,10 @@ CHROMIUM = shutil.which("chromium")
 # espeak-ng, 16 kHz: 0.5 s silence, "Hello, how are you today?" (1.7 s), 3 s silence, "Wait, stop." (1.2 s)
 CLIP = Path(__file__).parent / "data" / "two_turns_16k.wav"
 FRAMES = 40  # 3.2 s of audio: still playing when the second turn starts 2.7 s after the first ended
-SPEECH = {"session.created": 1, "session.updated": 1, "input_audio_buffer.speech_started": 2,
-          "input_audio_buffer.speech_stopped": 2, "input_audio_buffer.committed": 2, "response.created": 2,
-          "response.done": 2, "conversation.item.truncated": 1}
+SPEECH = {"session.created": 1, "session.updated": 2, "input_audio_buffer.speech_started": 2,
+          "input_audio_buffer.speech_stopped": 2, "input_audio_buffer.cleared": 1,
+          "input_audio_buffer.committed": 3, "response.created": 3, "response.done": 3,
+          "conversation.item.truncated": 1}
 
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
@@ -52,27 +54,42 @@ def test_page_talks_to_the_model(servers, tmp_path):
             page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}, seed: 0}}")
             page.click("#start")
             page.wait_for_function("(omni.events['response.done'] || 0) >= 2", timeout=40_000)
+            vad_turn = page.evaluate("omni.lastTurn")
+            page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)  # all heard
+            page.check("#ptt")  # push-to-talk: no server VAD; the space bar held 0.6 s, then let go
+            page.wait_for_function("omni.events['session.updated'] === 2")
+            page.keyboard.down("Space")
+            page.wait_for_timeout(600)
+            page.keyboard.up("Space")
+            page.wait_for_function("(omni.events['response.done'] || 0) >= 3", timeout=20_000)
             page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)
             omni = page.evaluate("omni")
             page.screenshot(path=tmp_path / "page.png")
+            page.set_viewport_size({"width": 390, "height": 844})
+            page.screenshot(path=tmp_path / "page-phone.png")
             assert page.text_content("#model") == MODEL
             assert page.is_visible("#random")  # the tiny checkpoint's weights are random
             assert page.text_content("#start") == "Stop"
             texts = page.locator("#log li").all_text_contents()
             cut = page.locator("#log li.cut").all_text_contents()
+            page_text = page.text_content("#turn")
         finally:
             browser.close()
     assert omni["errors"] == []
     assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH, omni
     assert omni["answers"] == received and omni["samples"] == sum(received.values())
-    first, second = received.values()
-    # the second answer whole (code2wav: N frames make N * 1920 - 555 samples; its EOS may come before FRAMES)
-    assert (second + 555) % 1920 == 0 and 0 < second <= samples(FRAMES)
+    first, second, third = received.values()
+    # the later answers whole (code2wav: N frames make N * 1920 - 555 samples; EOS may come before FRAMES)
+    assert all((n + 555) % 1920 == 0 and 0 < n <= samples(FRAMES) for n in (second, third))
     # the first one cut while playing (by the server too, if it was not all out yet)
     assert 0 < omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
     assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
-    assert len(texts) == 4 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
+    assert len(texts) == 6 and all(re.fullmatch(r"\(\d\.\d s of speech\)", t) for t in texts[::2]), texts
     assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
+    # the client's timings of a turn: VAD decision (or the key let go) -> first audio; the answer's RTF
+    for timed, n in ((vad_turn, second), (omni["lastTurn"], third)):
+        assert timed["first_audio_ms"] > 0 and timed["rtf"] > 0 and timed["audio_s"] == n / 24000, timed
+    assert page_text.startswith("Last turn: release → first audio ") and " RTF " in page_text
 
 
 def count_audio(payload: str | bytes, received: dict[str, int]) -> None:
@@ -84,6 +101,7 @@ def count_audio(payload: str | bytes, received: dict[str, int]) -> None:
 
 def test_subprotocol_key_becomes_the_authorization_header():
     app = FastAPI()
+    install_error_handlers(app)
     install_api_key(app, KEY)
     install_page(app)
 
@@ -103,4 +121,13 @@ def test_subprotocol_key_becomes_the_authorization_header():
         assert (ws.accepted_subprotocol, ws.receive_json()) == (None, bearer)
     page = client.get("/")  # no key needed
     assert page.status_code == 200 and page.headers["content-type"] == "text/html; charset=utf-8"
-    assert "/v1/realtime" in page.text and len(page.content) < 12_000
+    assert "/v1/realtime" not in page.text and len(page.content) < 4_000
+    for name in ("app.js", "worklets.js"):  # its scripts
+        script = client.get(f"/page/{name}")
+        assert (script.status_code, script.headers["content-type"]) == (200, "text/javascript; charset=utf-8")
+        assert len(script.content) < 12_000
+    assert "/v1/realtime" in client.get("/page/app.js").text
+    missing = client.get("/page/subprotocol.py")
+    error = missing.json()["error"]
+    assert (missing.status_code, error["message"], error["code"]) == (
+        404, "Invalid URL (GET /page/subprotocol.py)", "unknown_url")
