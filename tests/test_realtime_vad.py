@@ -68,7 +68,9 @@ def test_batched_equals_sequential_silero(engine, silero_model, monkeypatch):
     monkeypatch.setattr(VadEngine, "_step", lambda self, m, tick: steps.append(len(self._pending)) or step(self, m, tick))
 
     async def submit(*streams_windows):
-        return await asyncio.gather(*[engine.submit(_Stream(), ws) for ws in streams_windows])
+        with engine._cond:  # NOTE: all pending before the worker looks (on a loaded machine it began on the first)
+            futures = [engine.submit(_Stream(), ws) for ws in streams_windows]
+        return await asyncio.gather(*futures)
 
     batched = run(submit(*windows))
     calls = len(steps)
