@@ -9,6 +9,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import pytest
 import torch
 
+pytest.register_assert_rewrite("realtime_helpers")  # a plugin whose helpers the tests also import
+
 # NOTE: before Triton loads: without a GPU, @triton.jit kernels run in Triton's interpreter on CPU tensors, so
 # the fused kernels are checked here too (tests take `KERNEL_DEVICE`; they skip when Triton is missing).
 if not torch.cuda.is_available():
