@@ -221,13 +221,13 @@ def recording_make(fail_on: str | None = None):
 def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatch):
     """A profiling build with provisional caches, then the final build with the planned blocks; the
     overhead is the measured peak plus the memory outside the allocator, less the weights and the
-    provisional caches."""
+    provisional caches, plus the thinker's encoder and prefix-row caches."""
     make = recording_make()
     built, weights, per_block = faked_cuda(tiny_dir, monkeypatch, make)
     calls = make.calls
     # provisional: the largest request (4096 + 2048 tokens; 4096 + 9 + 4096 rows) + the padding block, + 1
     assert calls[:3] == [("thinker", 386), ("talker", 515), ("code2wav", 0)]
-    rest = 4 * GiB - weights - 110 * MiB
+    rest = 4 * GiB - weights - 110 * MiB - 2 * 512 * MiB  # and the thinker's caches beside it (encoder_cache_mb)
     assert calls[3:] == [("thinker", int(rest * 0.8) // per_block["thinker"]),
                          ("talker", int(rest * 0.2) // per_block["talker"]), ("code2wav", 0)]
     assert built["thinker", 0].blocks.num_blocks == calls[3][1]

@@ -15,7 +15,7 @@ import pytest
 import soundfile as sf
 from serve_process import KEY, MODEL, samples
 from realtime_helpers import (AUDIO_EVENTS, MANUAL, TURN, answer, append, assert_nothing_held, b64, chat,
-                             chat_audio, client, say, setup, shape, silence, speech_pcm, text_item,
+                             chat_audio, client, gauges, say, setup, shape, silence, speech_pcm, text_item,
                              transcript_deltas, until)
 
 pytest_plugins = ["realtime_helpers"]
@@ -81,6 +81,8 @@ def test_manual_commit_history_equals_chat(rt_server):
             second = answer(await until(conn, "response.done"))
             return first, second
 
+    hits = lambda: [gauges(rt_server, f"omnistage_{k}_cache_hits_total").get("thinker", 0) for k in ("prefix", "encoder")]
+    before = hits()
     first, second = asyncio.run(main())
     wav = io.BytesIO()
     sf.write(wav, np.frombuffer(pcm, "<i2"), 24000, format="WAV", subtype="PCM_16")
@@ -97,6 +99,8 @@ def test_manual_commit_history_equals_chat(rt_server):
         assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
         assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
         assert reply["usage"]["completion_tokens"] == response.usage.output_tokens == 8
+    prefix, encoder = (b - a for a, b in zip(before, hits()))
+    assert prefix >= 16 * 5 and encoder == 4  # every prompt after the first holds the first's prefix and audio
     unknown = httpx.post(rt_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": MODEL,
                                "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})

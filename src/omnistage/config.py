@@ -48,6 +48,7 @@ def _is_memory(v: Any) -> bool:
 
 
 _positive_int = _rule(lambda v: _is_int(v, 1), "must be a positive integer")
+_non_negative_int = _rule(lambda v: _is_int(v, 0), "must be an integer >= 0")
 _bool = _rule(lambda v: isinstance(v, bool), "must be true or false")
 _devices = _rule(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x, 0) for x in v),
                  "must be a non-empty list of device indices >= 0", tuple)
@@ -141,7 +142,10 @@ class DeployConfig:
     processes hold (pipeline/placement/memory.py), as vLLM's flag of that name.
     `realtime_streaming_input`: a realtime spoken turn (server VAD) is encoded and prefilled while the user
     speaks (`AsyncOmni.open_request`); False (default: slower on the H200 so far, BENCHMARKS.md): only once
-    it is committed."""
+    it is committed.
+    `enable_prefix_caching`: the thinker keeps computed prompt blocks for later prompts with the same
+    prefix (vLLM's flag); `encoder_cache_mb`: MiB of encoder rows kept per thinker for media sent again
+    (0: none); both count against the device's memory budget as activations do."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -153,6 +157,8 @@ class DeployConfig:
     switch_interval_ms: float = _opt(5.0, _interval)
     gpu_memory_utilization: float = _opt(0.9, _utilization)
     realtime_streaming_input: bool = _opt(False, _bool)
+    enable_prefix_caching: bool = _opt(True, _bool)
+    encoder_cache_mb: int = _opt(512, _non_negative_int)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

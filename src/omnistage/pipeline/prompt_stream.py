@@ -173,7 +173,7 @@ def prefix_prompt(processor: PromptProcessor, prompt: PromptInputs) -> PromptInp
     ids = prompt.input_ids
     cut = len(ids) - ids[::-1].index(pad) - count
     out = copy.copy(prompt)
-    out.input_ids = ids[:cut]
+    out.input_ids, out.media_keys = ids[:cut], None
     out.input_features, out.feature_attention_mask = (
         (None, None) if len(prompt.audio_feature_lens) == 1
         else (prompt.input_features[:-1], prompt.feature_attention_mask[:-1]))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from omnistage.media import MediaError, MediaItems, MediaPolicy, to_conversation
+from omnistage.models.qwen3_omni.media_keys import MediaKeys, media_keys
 from omnistage.models.qwen3_omni.processor_files import load_tokenizer
 from omnistage.models.qwen3_omni.rope_index import audio_token_count, merge_ranks
 from omnistage.models.qwen3_omni.visual_processing import VisualProcessor
@@ -36,6 +37,7 @@ class PromptInputs:
     video_grid_thw: torch.Tensor | None = None  # [num_videos, 3]
     video_second_per_grid: torch.Tensor | None = None  # [num_videos] float32: temporal_patch_size / fps
     use_audio_in_video: bool = False
+    media_keys: MediaKeys | None = None  # None: no cache may reuse its rows
 
     @property
     def audio_feature_lens(self) -> list[int]:
@@ -55,6 +57,7 @@ class PromptProcessor:
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
         self.n_window_infer = thinker.get("audio_config", {}).get("n_window_infer", 800)  # mel frames
         self.position_id_per_seconds = thinker.get("position_id_per_seconds", 13)
+        self.pad_ids = tuple(self.tokenizer.convert_tokens_to_ids(list(_PADS)))
 
     def __call__(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False) -> PromptInputs:
         """Decode the messages' media (under the processor's media policy) and process them."""
@@ -89,6 +92,7 @@ class PromptProcessor:
                     piece * video[0])
             expanded.append(piece)
         out.input_ids = self.tokenizer("".join(expanded))["input_ids"]
+        out.media_keys = media_keys(out, self.pad_ids)
         return out
 
     def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -175,6 +175,7 @@ def _plan_device(p: Any, device: torch.device, mem: DeviceMemory, stages: dict[K
     _release(device)
     provisional = sum(n * stages[k].bytes_per_block for k, n in trial.items())
     overhead = peak + outside - provisional - sum(s.weight_bytes for s in stages.values())
+    overhead += 2 * (p.deploy.encoder_cache_mb << 20) * sum(k[0] == "thinker" for k in stages)  # see ThinkerStage
     plans = {plan.name: plan for plan in plan_kv(str(device), mem, util, list(stages.values()), overhead)}
     logger.info("%s: budget %s (gpu_memory_utilization %.2f x %s - %s held by others); weights %s; CUDA "
                 "graphs, buffers and activations %s (measured)", device, gib(budget(mem, util)), util,

@@ -15,60 +15,94 @@ from omnistage.engine.request import Request
 from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
-from omnistage.models.qwen3_omni.rope_index import RopeSpec, mrope_positions
+from omnistage.models.qwen3_omni.rope_index import RopeSpec, audio_token_count, mrope_positions
 from omnistage.pipeline.faults import together
+from omnistage.pipeline.thinker.encoder_cache import EncoderCache, join_visual, split_visual
 from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
+def _keys(p: PromptInputs, kind: str, n: int) -> tuple[bytes | None, ...]:
+    keys = getattr(p.media_keys, kind) if p.media_keys is not None else ()
+    return keys if len(keys) == n else (None,) * n
+
+
+def _cached(cache: EncoderCache | None, keys: list[bytes | None]) -> list[Any]:
+    return [cache.get(k) if cache is not None else None for k in keys]
+
+
 def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                  dtype: torch.dtype) -> list[torch.Tensor | None]:
-    """Audio token rows per prompt (None without audio): one audio-tower call for all prompts."""
-    have = [p for p in prompts if p.input_features is not None]
-    if not have:
+                  dtype: torch.dtype, cache: EncoderCache | None) -> list[torch.Tensor | None]:
+    """Audio token rows per prompt (None without audio): the audios no cache holds in one audio-tower call."""
+    items = [(j, f[:, :n], n) for j, p in enumerate(prompts) if p.input_features is not None
+             for f, n in zip(p.input_features, p.audio_feature_lens)]
+    if not items:
         return [None] * len(prompts)
-    width = max(p.input_features.shape[-1] for p in have)
-    feats = torch.cat([F.pad(p.input_features, (0, width - p.input_features.shape[-1])) for p in have])
-    mask = torch.cat([F.pad(p.feature_attention_mask, (0, width - p.feature_attention_mask.shape[-1]))
-                      for p in have])
-    rows = thinker.encode_audio(feats.to(device, dtype), mask.to(device))
-    parts = iter(rows.split([p.input_ids.count(thinker.audio_token_id) for p in have]))
-    return [next(parts) if p.input_features is not None else None for p in prompts]
+    keys = [k for p in prompts if p.input_features is not None
+            for k in _keys(p, "audios", p.input_features.shape[0])]
+    rows = _cached(cache, keys)
+    todo = [i for i, r in enumerate(rows) if r is None]
+    if todo:
+        width = max(items[i][2] for i in todo)
+        feats = torch.stack([F.pad(items[i][1], (0, width - items[i][2])) for i in todo])
+        mask = (torch.arange(width)[None] < torch.tensor([items[i][2] for i in todo])[:, None]).long()
+        out = thinker.encode_audio(feats.to(device, dtype), mask.to(device))
+        n_window = thinker.audio_tower.config.n_window
+        for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
+            rows[i] = r
+            if cache is not None:
+                cache.put(keys[i], r.clone())
+    per = [[r for (j, _, _), r in zip(items, rows) if j == k] for k in range(len(prompts))]
+    return [torch.cat(r) if r else None for r in per]
 
 
 def _encode_visual(thinker: torch.nn.Module, pixels: list[torch.Tensor | None], grids: list[torch.Tensor | None],
-                   device: torch.device) -> list[VisualEmbeds | None]:
-    """Merged rows and DeepStack rows per prompt (None without this media): one vision-encoder call."""
-    have = [i for i, g in enumerate(grids) if g is not None]
-    out: list[VisualEmbeds | None] = [None] * len(grids)
-    if not have:
-        return out
-    enc = thinker.encode_visual(torch.cat([pixels[i] for i in have]).to(device),
-                                torch.cat([grids[i] for i in have]).to(device))
-    counts = [int(grids[i].prod(-1).sum()) // thinker.visual.spatial_merge_size**2 for i in have]
-    levels = [level.split(counts) for level in enc.deepstack]
-    for j, (i, rows) in enumerate(zip(have, enc.embeds.split(counts))):
-        out[i] = VisualEmbeds(rows, [level[j] for level in levels])
-    return out
+                   keys: list[tuple[bytes | None, ...]], device: torch.device,
+                   cache: EncoderCache | None) -> list[VisualEmbeds | None]:
+    """Merged rows and DeepStack rows per prompt (None without this media): the items no cache holds in one
+    vision-encoder call."""
+    merge = thinker.visual.spatial_merge_size**2
+    items = [(j, px, g) for j, (p, gs) in enumerate(zip(pixels, grids)) if gs is not None
+             for px, g in zip(p.split(gs.prod(-1).tolist()), gs)]
+    if not items:
+        return [None] * len(grids)
+    flat_keys = [k for j, gs in enumerate(grids) if gs is not None for k in keys[j]]
+    rows = _cached(cache, flat_keys)
+    todo = [i for i, r in enumerate(rows) if r is None]
+    if todo:
+        enc = thinker.encode_visual(torch.cat([items[i][1] for i in todo]).to(device),
+                                    torch.stack([items[i][2] for i in todo]).to(device))
+        for i, r in zip(todo, split_visual(enc, [int(items[i][2].prod()) // merge for i in todo])):
+            rows[i] = r
+            if cache is not None:
+                cache.put(flat_keys[i], VisualEmbeds(r.embeds.clone(), [d.clone() for d in r.deepstack]))
+    per = [[r for (j, _, _), r in zip(items, rows) if j == k] for k in range(len(grids))]
+    return [join_visual(r) if r else None for r in per]
 
 
 Media = tuple[torch.Tensor | None, VisualEmbeds | None, VisualEmbeds | None]  # audio, image, video rows
 
 
 def encode_media(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                 dtype: torch.dtype) -> list[Media]:
-    """Encoder rows of each prompt; each kind of media of all prompts in one encoder call."""
-    audios = _encode_audio(thinker, prompts, device, dtype)
-    images = _encode_visual(thinker, [p.pixel_values for p in prompts], [p.image_grid_thw for p in prompts], device)
+                 dtype: torch.dtype, cache: EncoderCache | None = None) -> list[Media]:
+    """Encoder rows of each prompt; each kind of media of all prompts in one encoder call (what `cache`
+    holds is not encoded again)."""
+    audios = _encode_audio(thinker, prompts, device, dtype, cache)
+    images = _encode_visual(thinker, [p.pixel_values for p in prompts], [p.image_grid_thw for p in prompts],
+                            [_keys(p, "images", _count(p.image_grid_thw)) for p in prompts], device, cache)
     videos = _encode_visual(thinker, [p.pixel_values_videos for p in prompts], [p.video_grid_thw for p in prompts],
-                            device)
+                            [_keys(p, "videos", _count(p.video_grid_thw)) for p in prompts], device, cache)
     return list(zip(audios, images, videos))
 
 
+def _count(grids: torch.Tensor | None) -> int:
+    return 0 if grids is None else grids.shape[0]
+
+
 def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                    dtype: torch.dtype) -> list[Media] | None:
+                    dtype: torch.dtype, cache: EncoderCache | None = None) -> list[Media] | None:
     """`encode_media` for several prompts at once; None for a single prompt or when it fails (each
     request is then encoded alone, so that only the one at fault fails)."""
-    return together(encode_media, thinker, prompts, device, dtype) if len(prompts) > 1 else None
+    return together(encode_media, thinker, prompts, device, dtype, cache) if len(prompts) > 1 else None
 
 
 def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:

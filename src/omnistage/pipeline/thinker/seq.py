@@ -31,6 +31,8 @@ class ThinkerSeq:
     mm_hidden: list[torch.Tensor] = field(default_factory=list)
     mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
     deepstack: Deepstack | None = None  # visual DeepStack rows at prompt indices `index`
+    block_hashes: list[bytes] | None = None  # the prompt's full blocks' (thinker/prefix.py), until registered
+    cached_blocks: int = -1  # prompt blocks taken from the prefix cache (-1: not looked up yet)
 
     @property
     def rope_delta(self) -> float:

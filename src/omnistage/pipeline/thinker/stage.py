@@ -21,8 +21,10 @@ from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
+from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
+from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix, take_prefix
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 
@@ -34,17 +36,20 @@ class ThinkerStage(AsyncOutputStep):
     def __init__(self, thinker: torch.nn.Module, config: Any, tokenizer: Any, to_talker: Callable[[TextChunk], None],
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
-                 prefill_tokens: Sequence[int] = (), async_output: bool = False) -> None:
+                 prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
+                 encoder_cache_bytes: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh text prompts through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
         padding rows.
-        `async_output`: see `step`."""
+        `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
+        `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
+        again for the accept-layer rows kept beside cached prefix blocks."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
-        self.blocks = BlockManager(num_blocks, block_size)
+        self.blocks = BlockManager(num_blocks, block_size, encoder_cache_bytes)  # NOTE: the prefix's mm rows
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
         self.penalties = PenaltyTable(max_batch_size, thinker.lm_head.out_features, p.device)
         self.runner: ThinkerGraphRunner | None = None
@@ -57,6 +62,9 @@ class ThinkerStage(AsyncOutputStep):
             self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch)
         self.eager = ThinkerEagerStep(thinker, self.blocks, self.penalties, self.prefill,
                                       config.talker_config.accept_hidden_layer)
+        self.prefix_caching = prefix_caching
+        self.min_text_prefix = 512 if self.prefill is not None else 1  # NOTE: below it a prefill graph wins
+        self.encoder_cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes > 0 else None
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
@@ -66,7 +74,9 @@ class ThinkerStage(AsyncOutputStep):
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
-        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
+        caches = dict(prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits,
+                      **(self.encoder_cache.stats() if self.encoder_cache is not None else {}))
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(), **caches)
 
     def add(self, item: Request | PromptPiece) -> None:
         """A request, or more prompt for a growing one (applied in arrival order, after the requests
@@ -84,9 +94,11 @@ class ThinkerStage(AsyncOutputStep):
 
     def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
-        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype)[0]
+        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache)[0]
         seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
         seq.open = req.growing
+        if self.prefix_caching:
+            seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
         return seq
 
     def _grow(self, piece: PromptPiece) -> None:
@@ -116,7 +128,7 @@ class ThinkerStage(AsyncOutputStep):
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
         items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
-        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype)
+        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache)
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
@@ -136,14 +148,15 @@ class ThinkerStage(AsyncOutputStep):
                 budget -= n
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
+            take_prefix(self.blocks, seq, self.min_text_prefix)
             # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
             # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
-            split = seq.prompt_len > budget and any(s.in_prefill for s, _ in batch)
-            if split or not self._room(seq, seq.prompt_len):
+            split = seq.rows_ready > budget and any(s.in_prefill for s, _ in batch)
+            if split or not self._room(seq, seq.rows_ready):
                 break
             seq.req.mark("thinker_start")
             self.running.append(self.waiting.popleft())
-            n = min(seq.prompt_len, budget)
+            n = min(seq.rows_ready, budget)
             batch.append((seq, n))
             budget -= n
         return batch
@@ -179,6 +192,7 @@ class ThinkerStage(AsyncOutputStep):
         first = len(seq.output_ids) == 1
         if first:
             req.mark("first_token")
+            register_prefix(self.blocks, seq)
         if req.want_audio:
             prompt = None
             if first:

@@ -1,0 +1,51 @@
+"""The thinker's use of the prefix cache (engine/block_manager.py): a prompt's block hashes at admission,
+its longest cached prefix taken when it is first scheduled (those rows are not prefilled again; the
+talker's accept-layer rows at their multimodal positions come from the cache with them), and its full
+blocks registered once its prompt is computed (at its first token)."""
+
+from __future__ import annotations
+
+import torch
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.prefix_hash import block_hashes
+from omnistage.pipeline.thinker.seq import ThinkerSeq
+
+
+def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
+    """None where no prefix may be shared: a prompt still growing, or media without keys."""
+    keys = seq.req.prompt.media_keys
+    if seq.open or (seq.has_mm and keys is None):
+        return None
+    return block_hashes(seq.prompt_ids.tolist(), block_size, keys.spans if keys is not None else ())
+
+
+def take_prefix(blocks: BlockManager, seq: ThinkerSeq, min_text_tokens: int) -> None:
+    """Skip the prompt's cached prefix, once, before its first row is computed (one row at least is left:
+    it gives the first token). A text prompt takes `min_text_tokens` or more only (a fresh one may run in a
+    prefill graph, which a prompt with cached rows cannot)."""
+    if seq.block_hashes is None or seq.num_computed or seq.cached_blocks >= 0:
+        return
+    taken = blocks.match(seq.req.request_id, seq.block_hashes, seq.prompt_len - 1,
+                         1 if seq.has_mm else min_text_tokens)
+    seq.cached_blocks, seq.num_computed = len(taken), len(taken) * blocks.block_size
+    seq.mm_hidden = [blocks.extra[b] for b in taken if b in blocks.extra]
+
+
+def register_prefix(blocks: BlockManager, seq: ThinkerSeq) -> None:
+    """The prompt's full blocks past the cached ones, with the accept-layer rows of their multimodal
+    positions."""
+    hashes, seq.block_hashes = seq.block_hashes, None
+    done = max(seq.cached_blocks, 0)
+    if not hashes or len(hashes) <= done:
+        return
+    extra: list[torch.Tensor | None] = [None] * len(hashes)
+    if seq.has_mm and seq.mm_hidden:
+        bs, rows = blocks.block_size, torch.cat(seq.mm_hidden)
+        counts = seq.mm_mask[:len(hashes) * bs].view(-1, bs).sum(-1).tolist()
+        start = sum(counts[:done])
+        for i in range(done, len(hashes)):
+            if counts[i]:
+                extra[i] = rows[start:start + counts[i]].clone()
+            start += counts[i]
+    blocks.register(seq.req.request_id, hashes, extra)
