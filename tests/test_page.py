@@ -17,13 +17,13 @@ from pathlib import Path
 
 import pytest
 from fastapi import FastAPI, WebSocket
-from PIL import Image
 from fastapi.testclient import TestClient
+from PIL import Image
+from serve_process import KEY, MODEL, samples
 
 from omnistage.server.errors import install_api_key, install_error_handlers
 from omnistage.server.page import install_page
 from omnistage.server.page.subprotocol import KEY_PREFIX, REALTIME
-from serve_process import KEY, MODEL, samples
 
 pytest_plugins = ["serve_fixtures"]
 CHROMIUM = shutil.which("chromium")
