@@ -1,12 +1,14 @@
 """/v1/realtime through the official openai SDK's realtime client (realtime_helpers.py's server): a user
-item's `input_image` (the same tokens and codes as the same image sent to chat completions; bad images are error
-events and the session goes on), input audio transcription (the transcript is what the same text-only chat
-request for that audio answers; none when off), and the server's timings in response.done's metadata."""
+item's `input_image` (the same tokens and codes as the same image sent to chat completions; bad images are
+error events and the session goes on), input audio transcription (the transcript is what the same text-only
+chat request for that audio answers; none when off; a refused one is a .failed event, one running when the
+session closes is aborted), and the server's timings in response.done's metadata."""
 
 from __future__ import annotations
 
 import asyncio
 import io
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
@@ -16,7 +18,9 @@ from realtime_helpers import (MANUAL, TURN, answer, append, b64, chat, chat_audi
                              speech_pcm, until)
 from serve_process import KEY, MODEL, samples
 
-from omnistage.server.realtime.transcription import INSTRUCTION
+from omnistage.server.realtime.conversation import Item, Part
+from omnistage.server.realtime.settings import SessionSettings, updated
+from omnistage.server.realtime.transcription import INSTRUCTION, Transcriber
 
 pytest_plugins = ["realtime_helpers"]
 COMPLETED = "conversation.item.input_audio_transcription.completed"
@@ -155,3 +159,50 @@ def test_server_timings_in_response_done(rt_server):
     vad = float(spoken[-1].response.metadata["omnistage_vad_to_first_audio_ms"])
     assert vad >= float(spoken[-1].response.metadata["omnistage_first_audio_ms"]) > 0
     assert asked[-1].response.metadata["mine"] == "kept"
+
+
+class FakeEngine:
+    """Refuses every request (as the engine refuses bad media), or holds it until aborted."""
+
+    def __init__(self, refuse: Exception | None = None) -> None:
+        self.refuse, self.aborted, self.started = refuse, [], asyncio.Event()
+
+    async def generate(self, request_id, messages, sampling, talker, voice, use_audio_in_video):
+        assert talker is None and voice is None and sampling.greedy and sampling.max_tokens == 5
+        assert messages[0]["content"][0]["text"].startswith(INSTRUCTION + " The speech is in en.")
+        self.started.set()
+        if self.refuse is not None:
+            raise self.refuse
+        await asyncio.Event().wait()
+        yield
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.append(request_id)
+
+
+def test_transcription_failed_and_closed():
+    """A refused transcription is a .failed event for the item; a session closed while one runs aborts it."""
+    settings = updated(SessionSettings(output_modalities=["text"], max_output_tokens=5),
+                       {"audio": {"input": {"transcription": {"language": "en"}}}}, [], MODEL)
+    item = Item("item_1", "user", [Part("input_audio", pcm=speech_pcm()[:4800])])
+
+    async def run(engine: FakeEngine) -> list[dict]:
+        sent = []
+        ctx = SimpleNamespace(engine=engine, deploy=SimpleNamespace(stages=SimpleNamespace(
+            thinker=SimpleNamespace(sampling={}))))
+        transcriber = Transcriber(ctx, lambda e: asyncio.sleep(0, sent.append(e)))
+        transcriber.start(item, settings)
+        await engine.started.wait()
+        await asyncio.sleep(0.01)
+        await transcriber.close()
+        return sent
+
+    refused = FakeEngine(ValueError("audio: cannot decode audio"))
+    [failed] = asyncio.run(run(refused))
+    assert (failed["type"], failed["item_id"], failed["content_index"]) == (
+        "conversation.item.input_audio_transcription.failed", "item_1", 0)
+    assert failed["error"] == {"type": "invalid_request_error", "code": None,
+                               "message": "audio: cannot decode audio", "param": None}
+    assert len(refused.aborted) == 1 and item.parts[0].transcript is None
+    held = FakeEngine()
+    assert asyncio.run(run(held)) == [] and len(held.aborted) == 1
