@@ -79,8 +79,8 @@ def _part(part: Any, name: str, items: MediaItems, policy: MediaPolicy) -> dict[
     kind, options = KIND[type_], {k: part[k] for k in OPTIONS if part.get(k) is not None}
     try:
         item = decode_media(kind, _source(part, type_, kind), policy, options, items.use_audio_in_video)
-    except MediaError as e:
-        raise MediaError(f"{name} ({type_}): {e}", name) from None
+    except MediaError as e:  # (its cause, if any: the decoder's error)
+        raise MediaError(f"{name} ({type_}): {e}", name) from e.__cause__
     items.add(kind, item, options)
     return {"type": kind, kind: item, **options}
 
