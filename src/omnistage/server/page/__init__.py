@@ -14,7 +14,8 @@ from starlette.exceptions import HTTPException
 from omnistage.server.page.subprotocol import install_subprotocol_auth
 
 PAGE = files(__package__).joinpath("index.html").read_text("utf-8")
-SCRIPTS = {name: files(__package__).joinpath(name).read_text("utf-8") for name in ("app.js", "turns.js", "attach.js", "worklets.js")}
+SCRIPTS = {name: files(__package__).joinpath(name).read_text("utf-8")
+           for name in ("app.js", "turns.js", "attach.js", "worklets.js")}
 
 
 def install_page(app: FastAPI) -> None:

@@ -152,8 +152,9 @@ def new_response(settings: SessionSettings, params: ResponseParams, conversation
     images decoded under `policy`, None: the default one) and its sampling."""
     resolved = Resolved(settings, params, voices)
     sampling, talker = resolved.sampling(deploy)
+    policy = policy or MediaPolicy()
     items = conversation.items if params.input is None else [
-        item_from(item, policy or MediaPolicy(), f"response.input[{i}]") for i, item in enumerate(params.input)]
+        item_from(item, policy, f"response.input[{i}]") for i, item in enumerate(params.input)]
     messages = chat_messages(resolved.instructions, items)
     if not messages:
         raise RealtimeError("The conversation is empty: add an item or send input before response.create.",
