@@ -78,13 +78,23 @@ def _part(part: Any, name: str, items: MediaItems, policy: MediaPolicy) -> dict[
         raise MediaError(f"{name}: unsupported content part type {type_!r}", name)
     kind, options = KIND[type_], {k: part[k] for k in OPTIONS if part.get(k) is not None}
     try:
-        item = _DECODE[kind](_source(part, type_, kind), options, policy, items.use_audio_in_video)
-    except MediaError as e:
-        raise MediaError(f"{name} ({type_}): {e}", name) from None
-    except Exception as e:  # NOTE: decoders raise many types on hostile input; all of them are the client's
-        raise MediaError(f"{name} ({type_}): cannot decode {kind}", name) from e
+        item = decode_media(kind, _source(part, type_, kind), policy, options, items.use_audio_in_video)
+    except MediaError as e:  # (its cause, if any: the decoder's error)
+        raise MediaError(f"{name} ({type_}): {e}", name) from e.__cause__
     items.add(kind, item, options)
     return {"type": kind, kind: item, **options}
+
+
+def decode_media(kind: str, source: Any, policy: MediaPolicy, options: dict[str, Any] | None = None,
+                 with_audio: bool = False) -> Any:
+    """One "image" / "audio" / "video" item from its URL, path, data URL or value, as a chat message's part
+    is decoded; whatever is wrong with it is a MediaError (e.g. "cannot decode image")."""
+    try:
+        return _DECODE[kind](source, options or {}, policy, with_audio)
+    except MediaError:
+        raise
+    except Exception as e:  # NOTE: decoders raise many types on hostile input; all of them are the client's
+        raise MediaError(f"cannot decode {kind}") from e
 
 
 def _source(part: dict[str, Any], type_: str, kind: str) -> Any:

@@ -57,10 +57,11 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
                api_key: str | None = None, metrics: ServerMetrics | None = None, *,
                max_body_bytes: int = MAX_BODY_BYTES,
                model_info: dict | None = None,
-               max_audio_seconds: float = MediaPolicy.max_audio_seconds) -> FastAPI:
+               media_policy: MediaPolicy | None = None) -> FastAPI:
     """`model_info`: extra fields of the model's /v1/models entry. Media parts go to the engine as sent: it
-    decodes them under its media policy (a MediaError there is a 400); `max_audio_seconds` (the policy's)
-    bounds a realtime session's input audio buffer. `app.state.realtime_vad` is to be closed at shutdown."""
+    decodes them under its media policy (a MediaError there is a 400); `media_policy` (the engine's; None: the
+    default) decodes realtime user images and bounds a realtime session's input audio buffer (its
+    max_audio_seconds). `app.state.realtime_vad` is to be closed at shutdown."""
     app = FastAPI(title="omnistage")
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnect, _client_gone)
@@ -72,7 +73,7 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
     install_speech(app, engine, model_name, deploy, voices, metrics)
     transcripts = TranscriptStore()
     app.state.realtime_vad = install_realtime(app, engine, model_name, deploy, voices, transcripts,
-                                              max_audio_seconds, metrics)
+                                              media_policy or MediaPolicy(), metrics)
     started = int(time.time())
 
     @app.get("/health")

@@ -159,7 +159,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     if source.random_weights:
         info["note"] = RANDOM_WEIGHTS_NOTE
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
-                     max_body_bytes=args.max_body_bytes, max_audio_seconds=policy.max_audio_seconds)
+                     max_body_bytes=args.max_body_bytes, media_policy=policy)
     return app, engine
 
 

@@ -1,6 +1,7 @@
-"""GET /: a page to talk to the model in a browser (index.html, app.js, worklets.js: plain JavaScript, no
-build step). It opens /v1/realtime, streams the microphone as 24 kHz pcm16, plays the answer gapless and shows
-its transcript; its API key rides in a WebSocket subprotocol (subprotocol.py)."""
+"""GET /: a page to talk to the model in a browser (index.html, app.js, turns.js, attach.js, worklets.js:
+plain JavaScript, no build step). It opens /v1/realtime, streams the microphone as 24 kHz pcm16, plays the
+answer gapless and shows both sides' transcripts, the last turn's timings (the page's and the server's) and
+an image attached for the next turn; its API key rides in a WebSocket subprotocol (subprotocol.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from starlette.exceptions import HTTPException
 from omnistage.server.page.subprotocol import install_subprotocol_auth
 
 PAGE = files(__package__).joinpath("index.html").read_text("utf-8")
-SCRIPTS = {name: files(__package__).joinpath(name).read_text("utf-8") for name in ("app.js", "worklets.js")}
+SCRIPTS = {name: files(__package__).joinpath(name).read_text("utf-8")
+           for name in ("app.js", "turns.js", "attach.js", "worklets.js")}
 
 
 def install_page(app: FastAPI) -> None:

@@ -2,15 +2,17 @@
 const RATE = 24000, FORMAT = { type: "audio/pcm", rate: RATE };
 const $ = (id) => document.getElementById(id);
 // for tests and curious users: event counts, audio samples received (all, by answer) / played / dropped at
-// barge-in, the last truncate's audio_end_ms, the last turn's timings, errors, extra session fields (e.g.
-// max_audio_frames) for Start
+// barge-in, the last truncate's audio_end_ms, the last turn's timings (the page's; the server's by response
+// id: turns.js), the user's transcripts by item id, the image items the server added (attach.js), errors,
+// extra session fields (e.g. max_audio_frames) for Start
 const omni = window.omni = {
   events: {}, deltas: 0, samples: 0, answers: {}, played: 0, dropped: 0, heard: null, lastTurn: null,
-  errors: [], session: {} };
+  server: {}, transcripts: {}, images: [], errors: [], session: {} };
 let model = null, ws = null, ctx = null, mic = null, player = null;
 // the answer in the player, the response being made, the turn being timed, when push-to-talk was pressed
 let playing = null, responding = null, turn = null, held = null;
 const entries = new Map();
+const listeners = [];  // more handlers of every server event (attach.js)
 
 function headers() { return $("key").value ? { Authorization: "Bearer " + $("key").value } : {}; }
 
@@ -27,7 +29,7 @@ function say(text, cls, id) {
   const li = document.createElement("li");
   li.className = cls; li.textContent = text;
   $("log").append(li);
-  if (id) entries.set(id, li);
+  if (id) { entries.set(id, li); li.dataset.item = id; }
   return li;
 }
 
@@ -62,20 +64,17 @@ function onPlayer({ data }) {  // tell the server how much of a cut answer was h
          audio_end_ms: omni.heard });
 }
 
-function timeAudio(e, samples) {  // the turn's answer: first and last audio delta, its audio
-  if (!turn || e.response_id !== turn.response) return;
-  turn.first ??= performance.now();
-  turn.last = performance.now(); turn.samples += samples;
+function user(id, seconds) {  // the user's line: the transcript (once there is one) and the speech's length
+  const li = entries.get(id) || say("", "user", id);
+  if (seconds !== undefined) li.dataset.len = `(${seconds.toFixed(1)} s of speech)`;
+  li.textContent = [li.dataset.said?.trim(), li.dataset.len || "…"].filter(Boolean).join(" ");
+  return li;
 }
 
-function showTurn(e) {
-  if (!turn || e.response.id !== turn.response || !turn.first) return;
-  const audio = turn.samples / RATE;
-  omni.lastTurn = { response_id: turn.response, first_audio_ms: turn.first - turn.decided, audio_s: audio,
-                    rtf: (turn.last - turn.first) / 1000 / audio };
-  const { first_audio_ms: ms, rtf } = omni.lastTurn;
-  $("turn").textContent = `Last turn: ${turn.how} → first audio ${ms.toFixed(0)} ms; `
-    + `RTF ${rtf.toFixed(2)} (${audio.toFixed(1)} s of audio in ${(rtf * audio).toFixed(1)} s)`;
+function said(id, text) {
+  if (!entries.has(id)) return null;
+  entries.get(id).dataset.said = text;
+  return user(id);
 }
 
 function send(event) { if (ws && ws.readyState === WebSocket.OPEN) ws.send(JSON.stringify(event)); }
@@ -84,17 +83,24 @@ const handlers = {
   "session.updated": () => { $("status").textContent = listening(); },
   "input_audio_buffer.speech_started": (e) => {
     bargeIn();
-    say("…", "user", e.item_id).dataset.start = e.audio_start_ms;
+    user(e.item_id).dataset.start = e.audio_start_ms;
   },
   "input_audio_buffer.speech_stopped": (e) => {
     turn = { decided: performance.now(), how: "VAD", samples: 0 };
     const li = entries.get(e.item_id);
-    if (li) li.textContent = `(${((e.audio_end_ms - li.dataset.start) / 1000).toFixed(1)} s of speech)`;
+    if (li) user(e.item_id, (e.audio_end_ms - li.dataset.start) / 1000);
   },
   "input_audio_buffer.committed": (e) => {
-    if (!turn?.speech || entries.has(e.item_id)) return;
-    say(`(${turn.speech.toFixed(1)} s of speech)`, "user", e.item_id);
+    if (turn?.speech && !entries.has(e.item_id)) user(e.item_id, turn.speech);
   },
+  "conversation.item.input_audio_transcription.delta": (e) => {
+    said(e.item_id, (entries.get(e.item_id)?.dataset.said || "") + e.delta);
+  },
+  "conversation.item.input_audio_transcription.completed": (e) => {
+    omni.transcripts[e.item_id] = e.transcript;
+    said(e.item_id, e.transcript)?.classList.add("heard");
+  },
+  "conversation.item.input_audio_transcription.failed": (e) => fail(`transcription: ${e.error.message}`),
   "response.created": (e) => {
     responding = e.response.id;
     if (turn && !turn.response) turn.response = e.response.id;
@@ -161,8 +167,9 @@ async function start() {
     const output = $("voice").value ? { voice: $("voice").value } : {};
     send({ type: "session.update", session: { type: "realtime", output_modalities: ["audio"],
       instructions: $("instructions").value, ...omni.session,
-      audio: { input: { format: FORMAT, turn_detection: turnDetection() },
+      audio: { input: { format: FORMAT, turn_detection: turnDetection(), transcription: { model: model.id } },
                output: { format: FORMAT, ...output } } } });
+    onSession();
     mic.node = new AudioWorkletNode(ctx, "mic", { numberOfOutputs: 0 });
     mic.node.port.onmessage = (m) => {
       if (!ptt() || held !== null) send({ type: "input_audio_buffer.append", audio: b64(m.data) });
@@ -173,6 +180,7 @@ async function start() {
     const e = JSON.parse(m.data);
     omni.events[e.type] = (omni.events[e.type] || 0) + 1;
     handlers[e.type]?.(e);
+    for (const f of listeners) f(e);
   };
   ws.onclose = (e) => {
     stop();

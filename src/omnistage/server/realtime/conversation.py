@@ -1,7 +1,9 @@
 """A session's conversation: its items in order, and the chat `messages` they make, in the same shape the chat
 endpoint passes to the engine (so a response's prompt is exactly that of the same conversation sent to
 /v1/chat/completions): the session's instructions as the system message, user audio as audio (24 kHz pcm16
-resampled to 16 kHz as the chat path's decoder does), assistant turns as their transcripts.
+resampled to 16 kHz as the chat path's decoder does), user images as the chat path decodes them (images.py),
+assistant turns as their transcripts. A committed user audio's transcript (input transcription) is shown on
+its item; the prompt keeps the audio.
 
 Truncation (barge-in, conversation.item.truncate): the talker speaks the thinker's token t in codec frame t,
 so an answer cut after N frames of audio keeps the text of its first N tokens (whole text deltas, as they
@@ -17,10 +19,12 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
+from PIL import Image
 
-from omnistage.media import AUDIO_INPUT_RATE, resample
+from omnistage.media import AUDIO_INPUT_RATE, MediaPolicy, resample
 from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.realtime.events import ItemIn, RealtimeError, new_id
+from omnistage.server.realtime.images import decode_image
 
 SAMPLES_PER_FRAME = 1920  # code2wav's 24 kHz samples per codec frame
 
@@ -52,21 +56,28 @@ def pcm_ms(num_bytes: int) -> int:
 
 @dataclass
 class Part:
-    """One content part: input_text / output_text (`text`), input_audio (`pcm`, 24 kHz s16le),
-    output_audio (`text` = its transcript)."""
+    """One content part: input_text / output_text (`text`), input_audio (`pcm`, 24 kHz s16le; `transcript`
+    once transcribed), input_image (`image`, decoded; `detail`), output_audio (`text` = its transcript)."""
 
     type: str
     text: str = ""
     pcm: bytes | None = None
+    image: Image.Image | None = None
+    detail: str | None = None
+    transcript: str | None = None
     _audio16k: np.ndarray | None = None
 
     def api(self) -> dict:
         if self.type == "input_audio":
-            return {"type": "input_audio", "transcript": None}
+            return {"type": "input_audio", "transcript": self.transcript}
+        if self.type == "input_image":  # NOTE: not the image_url echoed back: it can be megabytes
+            return {"type": "input_image", "detail": self.detail or "auto"}
         key = "transcript" if self.type == "output_audio" else "text"
         return {"type": self.type, key: self.text}
 
     def chat_part(self) -> dict:
+        if self.type == "input_image":
+            return {"type": "image", "image": self.image}
         if self.type != "input_audio":
             return {"type": "text", "text": self.text}
         if self._audio16k is None:
@@ -89,7 +100,7 @@ class Item:
 
     def message(self) -> dict | None:
         """The chat message of this item; None for an answer the user heard nothing of."""
-        parts = [p.chat_part() for p in self.parts if p.type == "input_audio" or p.text]
+        parts = [p.chat_part() for p in self.parts if p.type in ("input_audio", "input_image") or p.text]
         return {"role": self.role, "content": parts} if parts else None
 
     @property
@@ -124,12 +135,13 @@ class Item:
         self.parts[0].text = self.text
 
 
-_ROLE_PARTS = {"user": ("input_text", "input_audio"), "system": ("input_text",),
+_ROLE_PARTS = {"user": ("input_text", "input_audio", "input_image"), "system": ("input_text",),
                "assistant": ("output_text", "output_audio")}
 
 
-def item_from(item: ItemIn, param: str = "item") -> Item:
-    """A conversation.item.create item (or a response.create input item) as a completed Item."""
+def item_from(item: ItemIn, policy: MediaPolicy, param: str = "item") -> Item:
+    """A conversation.item.create item (or a response.create input item) as a completed Item; its images
+    decoded under `policy`."""
     parts = []
     for i, c in enumerate(item.content):
         name = f"{param}.content[{i}]"
@@ -140,6 +152,9 @@ def item_from(item: ItemIn, param: str = "item") -> Item:
             if not c.audio:
                 raise RealtimeError(f"{name}.audio: base64 pcm16 audio is required", f"{name}.audio")
             parts.append(Part("input_audio", pcm=decode_pcm(c.audio, f"{name}.audio")))
+        elif c.type == "input_image":
+            parts.append(Part("input_image", image=decode_image(c.image_url, policy, f"{name}.image_url"),
+                              detail=c.detail))
         else:
             text = c.transcript if c.type == "output_audio" else c.text
             if text is None:

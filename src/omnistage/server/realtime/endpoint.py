@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from fastapi import FastAPI, WebSocket
 
 from omnistage.config import DeployConfig
+from omnistage.media import MediaPolicy
 from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.realtime.events import RealtimeError, error_event
@@ -46,12 +47,13 @@ class Vad:
 
 
 def install_realtime(app: FastAPI, engine: EngineClient, model_name: str, deploy: DeployConfig,
-                     voices: Sequence[str], transcripts: TranscriptStore, max_audio_seconds: float,
+                     voices: Sequence[str], transcripts: TranscriptStore, media: MediaPolicy,
                      metrics: ServerMetrics) -> Vad:
-    """The /v1/realtime route; returns the Vad to close at shutdown."""
+    """The /v1/realtime route; returns the Vad to close at shutdown. `media`: the server's media policy
+    (user images; the input audio buffer's bound is its max_audio_seconds)."""
     vad = Vad()
     ctx = SessionContext(engine, model_name, deploy, voices, transcripts, vad.detector,
-                         int(max_audio_seconds * SAMPLE_RATE) * 2, metrics)
+                         int(media.max_audio_seconds * SAMPLE_RATE) * 2, metrics, media)
 
     @app.websocket("/v1/realtime")
     async def realtime(ws: WebSocket, model: str | None = None) -> None:

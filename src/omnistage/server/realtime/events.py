@@ -51,13 +51,15 @@ class _Event(_Strict):
 
 
 class ContentIn(_Strict):
-    """A content part of an item a client sends: input_text / input_audio (user), input_text (system),
-    output_text / output_audio with its transcript (assistant history)."""
+    """A content part of an item a client sends: input_text / input_audio / input_image (user), input_text
+    (system), output_text / output_audio with its transcript (assistant history)."""
 
-    type: Literal["input_text", "input_audio", "output_text", "output_audio"]
+    type: Literal["input_text", "input_audio", "input_image", "output_text", "output_audio"]
     text: str | None = None
     audio: str | None = None
     transcript: str | None = None
+    image_url: str | None = None
+    detail: Literal["auto", "low", "high"] | None = None
 
 
 class ItemIn(_Strict):

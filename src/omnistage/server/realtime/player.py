@@ -6,6 +6,7 @@ spoken, when the response is the one it was opened for: early_prefill.py), playe
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import TYPE_CHECKING
 
@@ -31,15 +32,18 @@ class Player:
     def playing(self) -> bool:
         return self.response is not None and self.response.task is not None and not self.response.task.done()
 
-    async def respond(self, settings: SessionSettings, params: ResponseParams,
-                      conversation: Conversation) -> None:
+    async def respond(self, settings: SessionSettings, params: ResponseParams, conversation: Conversation,
+                      decided: float | None = None) -> None:
+        """`decided`: when server VAD ended the turn this answers (perf_counter; timing.py)."""
         if self.playing:
             raise RealtimeError(f"Conversation already has an active response in progress: "
                                 f"{self.response.id}. Wait until the response is finished before creating a "
                                 "new one.", None, "conversation_already_has_active_response")
         self.response, messages, sampling, talker = new_response(settings, params, conversation,
-                                                                 self.ctx.voices, self.ctx.deploy)
+                                                                 self.ctx.voices, self.ctx.deploy,
+                                                                 self.ctx.media)
         stream = self.early.take(self.response, messages, sampling, talker)
+        self.response.times.decided, self.response.times.created = decided, time.perf_counter()
         await self._emit(server_event("response.created", response=self.response.api()))
         self._start(self.response, messages, sampling, talker, stream)
 

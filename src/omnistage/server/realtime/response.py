@@ -16,10 +16,12 @@ from omnistage.outputs import OutputDelta, Usage
 from omnistage.server.audio_format import to_pcm16
 from omnistage.server.errors import OpenAIError
 from omnistage.config import DeployConfig
+from omnistage.media import MediaPolicy
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from omnistage.server.realtime.conversation import Conversation, Item, Part, chat_messages, item_from
 from omnistage.server.realtime.events import RealtimeError, ResponseParams, new_id, server_event
 from omnistage.server.realtime.settings import Resolved, SessionSettings
+from omnistage.server.realtime.timing import ResponseTimes
 from omnistage.server.serving import RequestClock
 
 logger = logging.getLogger(__name__)
@@ -47,6 +49,7 @@ class Response:
     status_details: dict | None = None
     cancel_reason: str | None = None
     usage: Usage = field(default_factory=Usage)
+    times: ResponseTimes = field(default_factory=ResponseTimes)
     task: asyncio.Task | None = None
 
     @property
@@ -62,7 +65,12 @@ class Response:
                 "max_output_tokens": self.settings.max_output_tokens,
                 "audio": {"output": {"format": {"type": "audio/pcm", "rate": 24000},
                                      "voice": self.settings.voice}},
-                "usage": usage_object(self.usage) if done else None, "metadata": self.metadata}
+                "usage": usage_object(self.usage) if done else None, "metadata": self._metadata(done)}
+
+    def _metadata(self, done: bool) -> dict | None:
+        """The client's metadata, and once done what the server measured (timing.py)."""
+        measured = self.times.metadata() if done else {}
+        return {**(self.metadata or {}), **measured} if measured else self.metadata
 
     def _where(self) -> dict:
         return {"response_id": self.id, "item_id": self.item.id, "output_index": 0, "content_index": 0}
@@ -88,6 +96,7 @@ class Response:
             out.append(server_event(kind, **self._where(), delta=delta.text))
         if self.audio and delta.audio is not None and delta.audio.size:
             self.item.audio_samples += delta.audio.size
+            self.times.audio(delta.audio.size)
             pcm = base64.b64encode(to_pcm16(delta.audio).tobytes()).decode()
             out.append(server_event("response.output_audio.delta", **self._where(), delta=pcm))
         return out
@@ -137,14 +146,15 @@ class Response:
 
 
 def new_response(settings: SessionSettings, params: ResponseParams, conversation: Conversation,
-                 voices: Sequence[str], deploy: DeployConfig
+                 voices: Sequence[str], deploy: DeployConfig, policy: MediaPolicy | None = None
                  ) -> tuple[Response, list[dict], SamplingParams, TalkerSamplingParams | None]:
-    """A response to response.create's `params`, its prompt (the conversation's messages, or `input`'s) and
-    its sampling."""
+    """A response to response.create's `params`, its prompt (the conversation's messages, or `input`'s, its
+    images decoded under `policy`, None: the default one) and its sampling."""
     resolved = Resolved(settings, params, voices)
     sampling, talker = resolved.sampling(deploy)
+    policy = policy or MediaPolicy()
     items = conversation.items if params.input is None else [
-        item_from(item, f"response.input[{i}]") for i, item in enumerate(params.input)]
+        item_from(item, policy, f"response.input[{i}]") for i, item in enumerate(params.input)]
     messages = chat_messages(resolved.instructions, items)
     if not messages:
         raise RealtimeError("The conversation is empty: add an item or send input before response.create.",

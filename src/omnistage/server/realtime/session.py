@@ -7,17 +7,19 @@ speech_stopped from the session's TurnDetector; speech_stopped commits the audio
 detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
 the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
 commit then commits those). A turn that server VAD will answer is prefilled while it is spoken
-(early_prefill.py).
+(early_prefill.py). Committed audio is transcribed beside its answer when the session asks (transcription.py).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from omnistage.config import DeployConfig
+from omnistage.media import MediaPolicy
 from omnistage.outputs import SAMPLE_RATE
 from omnistage.server.realtime import events as ev
 from omnistage.server.realtime.conversation import Conversation, Item, Part, decode_pcm, item_from
@@ -27,6 +29,7 @@ from omnistage.server.realtime.input_buffer import InputAudioBuffer
 from omnistage.server.realtime.player import Player
 from omnistage.server.realtime.response import Emit
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
+from omnistage.server.realtime.transcription import Transcriber
 from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 from omnistage.server.metrics import ServerMetrics
@@ -47,6 +50,7 @@ class SessionContext:
     detector: Callable[[TurnDetection], TurnDetector]  # a new turn detector with these settings
     max_buffer_bytes: int  # the input audio buffer's bound (the server's --max-audio-seconds)
     metrics: ServerMetrics  # the app's: answers' latencies, prompt rows prefilled while spoken
+    media: MediaPolicy  # the server's: user images are decoded under it
 
 
 class RealtimeSession:
@@ -62,6 +66,7 @@ class RealtimeSession:
         self._speech: str | None = None  # the item id of the speech going on
         self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.metrics)
         self._player = Player(ctx, self._early, self._emit)
+        self._transcriber = Transcriber(ctx, self._emit)
 
     async def start(self) -> None:
         self._new_detector()
@@ -81,6 +86,7 @@ class RealtimeSession:
         """The socket is gone: stop the response (aborting its request), send nothing more."""
         self.closed = True
         await self._player.cancel("client_cancelled")
+        await self._transcriber.close()
 
     # -- input audio --------------------------------------------------------------------------------------
 
@@ -113,10 +119,11 @@ class RealtimeSession:
             item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
+            decided = time.perf_counter()
             try:
                 await self._commit(self._input.take_until(at), item_id)
                 if vad.create_response and not self._player.playing:
-                    await self._respond(ev.ResponseParams())
+                    await self._respond(ev.ResponseParams(), decided)
             finally:
                 await self._early.abort()  # not taken by the response
 
@@ -133,6 +140,7 @@ class RealtimeSession:
         await self._emit(server_event("input_audio_buffer.committed", previous_item_id=previous,
                                       item_id=item_id))
         await self._item_added(item, previous)
+        self._transcriber.start(item, self.settings)
 
     async def _clear(self, event: ev.AudioClear) -> None:
         self._input.clear()
@@ -165,7 +173,7 @@ class RealtimeSession:
         return session_object(self.settings, self.id, self.ctx.model_name)
 
     async def _create_item(self, event: ev.ItemCreate) -> None:
-        item = item_from(event.item)
+        item = item_from(event.item, self.ctx.media)
         await self._item_added(item, self.conversation.add(item, event.previous_item_id))
 
     async def _item_added(self, item: Item, previous: str | None) -> None:
@@ -196,8 +204,8 @@ class RealtimeSession:
     async def _create_response(self, event: ev.ResponseCreate) -> None:
         await self._respond(event.response or ev.ResponseParams())
 
-    async def _respond(self, params: ev.ResponseParams) -> None:
-        await self._player.respond(self.settings, params, self.conversation)
+    async def _respond(self, params: ev.ResponseParams, decided: float | None = None) -> None:
+        await self._player.respond(self.settings, params, self.conversation, decided)
 
     async def _cancel_event(self, event: ev.ResponseCancel) -> None:
         response = self._player.response

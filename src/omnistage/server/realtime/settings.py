@@ -5,7 +5,8 @@ Audio is `audio/pcm` at 24 kHz both ways (what code2wav makes); `output_modaliti
 its transcript) or ["text"]. Extensions: `max_audio_frames` (as the chat endpoint's), `seed` (seeds the
 thinker and the talker, as chat's `seed`) and `ignore_eos` (the thinker and the talker ignore their end of
 turn, as chat's `ignore_eos` and `talker.ignore_eos`: answers of exactly the token / frame caps);
-`max_output_tokens` caps the thinker's tokens ("inf": the deploy default).
+`max_output_tokens` caps the thinker's tokens ("inf": the deploy default). `audio.input.transcription` (null:
+off) turns on the user audio's transcripts.
 """
 
 from __future__ import annotations
@@ -48,10 +49,18 @@ class TurnDetection(_Strict):
     interrupt_response: bool = True
 
 
+class InputTranscription(_Strict):
+    """Committed user audio transcribed by the served model (transcription.py), whatever `model` names."""
+
+    model: str | None = None
+    language: str | None = None
+    prompt: str | None = None
+
+
 class AudioInput(_Strict):
     format: PcmFormat = PcmFormat()
     turn_detection: TurnDetection | None = TurnDetection()
-    transcription: None = None
+    transcription: InputTranscription | None = None
     noise_reduction: None = None
 
 
