@@ -142,12 +142,13 @@ def _realtime_lines(rows: list[dict]) -> list[str]:
 def _server_table(rows: list[dict], key: str, columns: list[str], lines_of: Callable[[dict], list[list[str]]],
                   caption: str) -> list[str]:
     """A table of the rows that have server figures under `key` (omnistage: /metrics before and after the
-    row): variant, workload, P, c, then `columns`, one line per cell list `lines_of(row[key])` gives."""
+    row): variant, workload (and media), P, c, then `columns`, one line per cell list `lines_of(row[key])`
+    gives."""
     names = ["variant", "workload", "P", "c", *columns]
     lines = ["| " + " | ".join(names) + " |", "|---" * len(names) + "|"]
     for row in sorted((r for r in rows if r.get(key)), key=_row_key):
-        head = (f"| {row.get('variant') or ''} | {row.get('workload') or ''} | {row['prompt_tokens']} | "
-                f"{row['concurrency']} | ")
+        workload = " ".join(filter(None, (row.get("workload"), row.get("media"))))
+        head = f"| {row.get('variant') or ''} | {workload} | {row['prompt_tokens']} | {row['concurrency']} | "
         lines += [head + " | ".join(cells) + " |" for cells in lines_of(row[key])]
     return ["", caption, "", *lines] if len(lines) > 2 else []
 
