@@ -149,3 +149,8 @@ def test_media_workloads_against_the_tiny_server(server, tiny_dir, tmp_path):
     assert "| stalled | stall s | max stall ms |" in table
     for name in rows:
         assert table.count(f"| omnistage | - | {name} |") == 1
+
+
+def test_the_peer_runs_read_aloud_only():
+    with pytest.raises(SystemExit, match="--backend hf runs the read-aloud workload only, not video"):
+        _bench("--backend", "hf", "--workload", "video")

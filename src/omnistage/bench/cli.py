@@ -14,11 +14,11 @@ import shlex
 import sys
 import time
 
-from omnistage.bench.media_workload import MEDIA_WORKLOADS, MediaOptions, build_media_requests
+from omnistage.bench.media_workload import MEDIA_WORKLOADS, add_media_args, media_fields, workload_requests
 from omnistage.bench.metrics import summarize
 from omnistage.bench.report import add_results, markdown, run_meta, write_report
 from omnistage.bench.speech import CLIPS
-from omnistage.bench.workload import BenchRequest, Budget, TokenCounter, build_requests, token_counter
+from omnistage.bench.workload import BenchRequest, Budget, TokenCounter, token_counter
 
 WORKLOADS = ("read-aloud", *MEDIA_WORKLOADS)  # and "realtime" (--realtime)
 
@@ -35,15 +35,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"))
     p.add_argument("--workload", choices=WORKLOADS, default="read-aloud")
     p.add_argument("--prompt-tokens", type=_ints, default=[10, 160, 320, 640], help="read-aloud only")
-    p.add_argument("--media", type=lambda t: tuple(t.split(",")), default=(),
-                   help="media workloads: the clips (spoken-question: q01..q12, question_5s, ...) or photos "
-                        "(visual-question, video: astronaut, coffee, chelsea, rocket, hd = 1280x720, "
-                        "phone = 4032x3024) requests take in turn (default: the clips q01..q12; the photos "
-                        "but phone; video: the four shipped photos)")
-    p.add_argument("--video-seconds", type=float, default=4.0, help="video workloads: the videos' length")
-    p.add_argument("--repeat-media", action="store_true",
-                   help="media workloads: send an item's bytes unchanged each time (default: each request's "
-                        "bytes carry a fresh tag, so a server's media cache never hits)")
+    add_media_args(p)
     p.add_argument("--concurrency", type=_ints, default=[1, 16, 32, 64], help="hf: batch sizes")
     p.add_argument("--num-prompts", type=int, default=64,
                    help="requests per row: max(this, concurrency, --prompts-per-concurrency x concurrency)")
@@ -91,22 +83,6 @@ def _plan(args: argparse.Namespace) -> list[tuple[int | None, int]]:
     return [(p, c) for p in prompts for c in args.concurrency]
 
 
-def _requests(args: argparse.Namespace, counter: TokenCounter, p: int | None, n: int, seed: int
-              ) -> list[BenchRequest]:
-    if args.workload == "read-aloud":
-        return build_requests(p, n, seed, counter)
-    options = MediaOptions(args.media, args.video_seconds, args.repeat_media)
-    return build_media_requests(args.workload, n, seed, counter, options)
-
-
-def _media_fields(args: argparse.Namespace) -> dict:
-    """What a media row records of its media beside its workload."""
-    if args.workload == "read-aloud":
-        return {}
-    fields = {"media": ",".join(args.media) if args.media else None, "repeat_media": args.repeat_media}
-    return fields | ({"video_seconds": args.video_seconds} if args.workload.startswith("video") else {})
-
-
 def row_requests(args: argparse.Namespace, c: int) -> int:
     """Requests a row at concurrency `c` sends."""
     return max(args.num_prompts, c, args.prompts_per_concurrency * c)
@@ -135,16 +111,15 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
 
         async with idle_sessions(args, model):  # none unless --idle-sessions
             if args.warmup:
-                warm, _ = await run_requests(client, bodies(_requests(args, counter, plan[0][0], args.warmup,
-                                                                      args.seed + 1)),
-                                             args.warmup, budget.end, budget.end)
+                warm_reqs = workload_requests(args, counter, plan[0][0], args.warmup, args.seed + 1)
+                warm, _ = await run_requests(client, bodies(warm_reqs), args.warmup, budget.end, budget.end)
                 print(f"warm-up: {sum(r.ok for r in warm)}/{args.warmup} ok "
                       + "; ".join(sorted({r.error for r in warm if not r.ok})), file=sys.stderr)
             for i, (p, c) in enumerate(plan):
                 if budget.left() <= 0:
                     skipped.append({"prompt_tokens": p, "concurrency": c})
                     continue
-                reqs = _requests(args, counter, p, row_requests(args, c), args.seed)
+                reqs = workload_requests(args, counter, p, row_requests(args, c), args.seed)
                 todo = bodies(reqs)
                 counters = await scrape_server_counters(client)
                 start = time.perf_counter()
@@ -154,7 +129,7 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
                 prompt = reqs[0].prompt_tokens if p is None else p
                 rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=prompt,
                                       start=start, cancelled=cancelled))
-                rows[-1].update(workload=args.workload, **_media_fields(args))
+                rows[-1].update(workload=args.workload, **media_fields(args))
                 rows[-1].update(row_server_stats(counters, await scrape_server_counters(client),
                                                  time.perf_counter() - start))
                 if args.idle_sessions:

@@ -12,6 +12,7 @@ only; the server's count (usage) has the media's tokens too. Each request's medi
 
 from __future__ import annotations
 
+import argparse
 import base64
 import itertools
 import time
@@ -19,7 +20,7 @@ from dataclasses import dataclass
 
 from omnistage.bench import media
 from omnistage.bench.media import Media, tagged
-from omnistage.bench.workload import BenchRequest, TokenCounter, shuffled_pool
+from omnistage.bench.workload import BenchRequest, TokenCounter, build_requests, shuffled_pool
 
 MEDIA_WORKLOADS = ("spoken-question", "visual-question", "video", "video-audio")
 SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in a clear and natural voice."
@@ -71,3 +72,32 @@ def build_media_requests(workload: str, num: int, seed: int, counter: TokenCount
         out.append(BenchRequest(i, sentence, messages, counter.count(SYSTEM_PROMPT) + counter.count(question),
                                 counter.count(sentence.text), seed * 100_003 + i, extra))
     return out
+
+
+def add_media_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--media", type=lambda t: tuple(t.split(",")), default=(),
+                   help="media workloads: the clips (spoken-question: q01..q12, question_5s, ...) or photos "
+                        "(visual-question, video: astronaut, coffee, chelsea, rocket, hd = 1280x720, "
+                        "phone = 4032x3024) requests take in turn (default: the clips q01..q12; the photos "
+                        "but phone; video: the four shipped photos)")
+    p.add_argument("--video-seconds", type=float, default=4.0, help="video workloads: the videos' length")
+    p.add_argument("--repeat-media", action="store_true",
+                   help="media workloads: send an item's bytes unchanged each time (default: each request's "
+                        "bytes carry a fresh tag, so a server's media cache never hits)")
+
+
+def workload_requests(args: argparse.Namespace, counter: TokenCounter, prompt_tokens: int | None, num: int,
+                      seed: int) -> list[BenchRequest]:
+    """`num` requests of `args.workload` (read-aloud at `prompt_tokens`)."""
+    if args.workload == "read-aloud":
+        return build_requests(prompt_tokens, num, seed, counter)
+    options = MediaOptions(args.media, args.video_seconds, args.repeat_media)
+    return build_media_requests(args.workload, num, seed, counter, options)
+
+
+def media_fields(args: argparse.Namespace) -> dict:
+    """What a media row records of its media beside its workload (nothing for read-aloud)."""
+    if args.workload == "read-aloud":
+        return {}
+    fields = {"media": ",".join(args.media) if args.media else None, "repeat_media": args.repeat_media}
+    return fields | ({"video_seconds": args.video_seconds} if args.workload.startswith("video") else {})
