@@ -93,6 +93,7 @@ def test_request_metrics_from_known_timings(wav):
     assert _near(v["rtf"][0] * AUDIO_S, audio2) and _near(v["e2e"][0], end)
     assert _near(v["icg"][0], audio2 - audio1) and _near(v["itl"][0], text2 - text1)
     assert len(v["icg"]) == len(v["itl"]) == 1 and (r.prompt_tokens, r.output_tokens) == (173, 2)
+    assert r.audio_chunks == [12000, 24000] and v["stall"] == [0.0]  # chunk 1 plays until 0.60, 2 at 0.30
 
 
 def test_row_throughput_and_concurrency_from_known_timings():
@@ -201,7 +202,8 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
         ("hf", 10, 2)]
     audio_s = (frames * 1920 - 555) / 24000  # code2wav: 1920 samples a frame, 555 trimmed once
     for r in rows:
-        assert (r["num_requests"], r["failed"]) == (2, 0), r
+        assert (r["num_requests"], r["failed"], r["workload"]) == (2, 0, "read-aloud"), r
+        assert r["stalled_streams"] in (0, 1, 2) and r["stall_s"] >= 0 and r["mean_stall_ms"] is not None
         assert r["mean_audio_s"] == pytest.approx(audio_s) and r["mean_output_tokens"] == tokens
         assert r["prompt_tokens"] < r["mean_server_prompt_tokens"] <= r["prompt_tokens"] + 14
         assert 0 < r["mean_ttft_ms"] <= r["mean_ttfp_ms"] <= r["mean_e2e_ms"]
@@ -222,9 +224,11 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     assert table.count("\n| omnistage |") == 5 and table.count("\n| hf |") == 2
     assert "Where the time goes" in table and table.count(" | talker | ") == 5
     parts = table[table.index("TTFP's parts"):]
-    assert "| variant | P | c | " + " | ".join(PHASES) + " |" in parts
-    assert len(re.findall(r"^\| (ablation-x)? \| (10|160) \| [12] \|( \d+ \|){6}$", parts, re.M)) == 5
-    assert table.count("\n| omnistage | ablation-x | 10 | 2 | 4 |") == 1
+    assert "| variant | workload | P | c | " + " | ".join(PHASES) + " |" in parts
+    assert len(re.findall(r"^\| (ablation-x)? \| read-aloud \| (10|160) \| [12] \|( \d+ \|){6}$", parts,
+                          re.M)) == 5
+    ablation = r"^\| omnistage \| ablation-x \| read-aloud \| - \| 10 \| \d+ \| 2 \| 4 \|"
+    assert len(re.findall(ablation, table, re.M)) == 1
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000

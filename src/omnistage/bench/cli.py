@@ -1,7 +1,9 @@
 """`omnistage bench`: the read-aloud sweep (prompt length x concurrency) against an OpenAI-compatible
 endpoint (`--backend omnistage`), or through transformers' generate() on the same seeded random weights
-(`--backend hf`, concurrency = batch size). Rows go into OUTPUT_DIR/results.json (added to when it
-exists), then results.md and the plots are made from it."""
+(`--backend hf`, concurrency = batch size); the media workloads (spoken-question, visual-question, video,
+video-audio: bench/media_workload.py) sweep concurrency at the same output lengths, against a server only.
+Rows go into OUTPUT_DIR/results.json (added to when it exists), then results.md and the plots are made
+from it."""
 
 from __future__ import annotations
 
@@ -12,12 +14,13 @@ import shlex
 import sys
 import time
 
+from omnistage.bench.media_workload import MEDIA_WORKLOADS, add_media_args, media_fields, workload_requests
 from omnistage.bench.metrics import summarize
 from omnistage.bench.report import add_results, markdown, run_meta, write_report
 from omnistage.bench.speech import CLIPS
-from omnistage.bench.workload import Budget, TokenCounter, build_requests, token_counter
+from omnistage.bench.workload import BenchRequest, Budget, TokenCounter, token_counter
 
-WORKLOADS = ("read-aloud",)  # and "realtime" (--realtime)
+WORKLOADS = ("read-aloud", *MEDIA_WORKLOADS)  # and "realtime" (--realtime)
 
 
 def _ints(text: str) -> list[int]:
@@ -31,7 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="served model name (default: the first of /v1/models)")
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"))
     p.add_argument("--workload", choices=WORKLOADS, default="read-aloud")
-    p.add_argument("--prompt-tokens", type=_ints, default=[10, 160, 320, 640])
+    p.add_argument("--prompt-tokens", type=_ints, default=[10, 160, 320, 640], help="read-aloud only")
+    add_media_args(p)
     p.add_argument("--concurrency", type=_ints, default=[1, 16, 32, 64], help="hf: batch sizes")
     p.add_argument("--num-prompts", type=int, default=64,
                    help="requests per row: max(this, concurrency, --prompts-per-concurrency x concurrency)")
@@ -73,8 +77,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def _plan(args: argparse.Namespace) -> list[tuple[int, int]]:
-    return [(p, c) for p in args.prompt_tokens for c in args.concurrency]
+def _plan(args: argparse.Namespace) -> list[tuple[int | None, int]]:
+    """(prompt tokens, concurrency) of each row; a media workload's prompt is its requests' (None here)."""
+    prompts = args.prompt_tokens if args.workload == "read-aloud" else [None]
+    return [(p, c) for p in prompts for c in args.concurrency]
 
 
 def row_requests(args: argparse.Namespace, c: int) -> int:
@@ -99,29 +105,31 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
         if args.realtime:
             return await realtime_sweep(args, model, client), skipped
 
-        def bodies(p: int, n: int, seed: int) -> list[dict]:
+        def bodies(reqs: list[BenchRequest]) -> list[dict]:
             return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,
-                                 max_tokens=args.max_tokens, max_frames=args.max_frames)
-                    for r in build_requests(p, n, seed, counter)]
+                                 max_tokens=args.max_tokens, max_frames=args.max_frames) for r in reqs]
 
         async with idle_sessions(args, model):  # none unless --idle-sessions
             if args.warmup:
-                warm, _ = await run_requests(client, bodies(plan[0][0], args.warmup, args.seed + 1), args.warmup,
-                                             budget.end, budget.end)
+                warm_reqs = workload_requests(args, counter, plan[0][0], args.warmup, args.seed + 1)
+                warm, _ = await run_requests(client, bodies(warm_reqs), args.warmup, budget.end, budget.end)
                 print(f"warm-up: {sum(r.ok for r in warm)}/{args.warmup} ok "
                       + "; ".join(sorted({r.error for r in warm if not r.ok})), file=sys.stderr)
             for i, (p, c) in enumerate(plan):
                 if budget.left() <= 0:
                     skipped.append({"prompt_tokens": p, "concurrency": c})
                     continue
-                todo = bodies(p, row_requests(args, c), args.seed)
+                reqs = workload_requests(args, counter, p, row_requests(args, c), args.seed)
+                todo = bodies(reqs)
                 counters = await scrape_server_counters(client)
                 start = time.perf_counter()
-                with tqdm(total=len(todo), desc=f"P={p} c={c}", file=sys.stderr) as bar:
+                with tqdm(total=len(todo), desc=f"{args.workload} P={p} c={c}", file=sys.stderr) as bar:
                     results, cancelled = await run_requests(client, todo, c, budget.row_deadline(len(plan) - i),
                                                             budget.end, on_done=bar.update)
-                rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=p, start=start,
-                                      cancelled=cancelled))
+                prompt = reqs[0].prompt_tokens if p is None else p
+                rows.append(summarize(results, backend="omnistage", concurrency=c, prompt_tokens=prompt,
+                                      start=start, cancelled=cancelled))
+                rows[-1].update(workload=args.workload, **media_fields(args))
                 rows[-1].update(row_server_stats(counters, await scrape_server_counters(client),
                                                  time.perf_counter() - start))
                 if args.idle_sessions:
@@ -134,12 +142,16 @@ def _print_row(row: dict) -> None:
     def f(v: float | None, fmt: str) -> str:
         return "-" if v is None else fmt.format(v)
 
-    print(f"{row['backend']} P={row['prompt_tokens']} c={row['concurrency']}: {row['num_requests']} ok, "
-          f"{row['failed']} failed, {f(row['request_throughput'], '{:.3f}')} req/s, "
-          f"TTFP {f(row['mean_ttfp_ms'], '{:.0f}')} ms, RTF {f(row['mean_rtf'], '{:.3f}')}", file=sys.stderr)
+    print(f"{row['backend']} {row.get('workload', 'read-aloud')} P={row['prompt_tokens']} "
+          f"c={row['concurrency']}: {row['num_requests']} ok, {row['failed']} failed, "
+          f"{f(row['request_throughput'], '{:.3f}')} req/s, "
+          f"TTFP {f(row['mean_ttfp_ms'], '{:.0f}')} ms, RTF {f(row['mean_rtf'], '{:.3f}')}, "
+          f"{row['stalled_streams']} stalled ({row['stall_s']:.3f} s)", file=sys.stderr)
 
 
 def run_bench(args: argparse.Namespace) -> int:
+    if args.backend == "hf" and args.workload != "read-aloud":
+        raise SystemExit(f"--backend hf runs the read-aloud workload only, not {args.workload}")
     counter = token_counter(args.tokenizer)
     budget = Budget(args.time_budget)
     if args.backend == "hf":
@@ -148,9 +160,11 @@ def run_bench(args: argparse.Namespace) -> int:
         rows, skipped = run_hf(args, counter, budget, _plan(args), on_row=_print_row)
     else:
         rows, skipped = asyncio.run(_sweep(args, counter, budget))
-    for row in rows if args.variant else ():
-        row["variant"] = args.variant
     workload = "realtime" if args.realtime else args.workload
+    for row in rows:
+        row.setdefault("workload", workload)
+        if args.variant:
+            row["variant"] = args.variant
     meta = run_meta(shlex.join(["omnistage", *sys.argv[1:]]), workload, backend=args.backend, seed=args.seed,
                     random_weights=args.random_weights, tokenizer=counter.name, num_prompts=args.num_prompts,
                     prompts_per_concurrency=args.prompts_per_concurrency,

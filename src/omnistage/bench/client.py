@@ -27,7 +27,7 @@ def chat_payload(req: BenchRequest, *, model: str | None, random_weights: bool, 
     EOS ignored (thinker: max_tokens + ignore_eos; talker: talker.max_frames + talker.ignore_eos)."""
     body: dict = {"messages": req.messages, "modalities": ["text", "audio"],
                   "audio": {"voice": voice, "format": "pcm16"}, "stream": True,
-                  "stream_options": {"include_usage": True}, "seed": req.seed}
+                  "stream_options": {"include_usage": True}, "seed": req.seed, **req.extra}
     if model:
         body["model"] = model
     if random_weights:
@@ -58,7 +58,8 @@ def _take(event: dict, res: RequestResult, now: float) -> None:
             res.text_times.append(now)
         data = (delta.get("audio") or {}).get("data")
         if data:
-            res.audio_samples += _pcm_bytes(data, not res.audio_times) // 2
+            res.audio_chunks.append(_pcm_bytes(data, not res.audio_times) // 2)
+            res.audio_samples += res.audio_chunks[-1]
             res.audio_times.append(now)
 
 

@@ -90,7 +90,7 @@ def _run_row(model: torch.nn.Module, prompts: list[list[int]], reqs: list[BenchR
             results += [RequestResult(send=send, error=f"{type(e).__name__}: {e}"[:300])] * len(lengths)
             break
         results += [RequestResult(send=send, ok=True, text_times=[last], audio_times=[last], audio_samples=n,
-                                  end=last, prompt_tokens=len(ids), output_tokens=text)
+                                  audio_chunks=[n], end=last, prompt_tokens=len(ids), output_tokens=text)
                     for n, ids in zip(samples, prompts[k:k + batch])]
     return results
 

@@ -3,10 +3,13 @@
 Times are seconds after the request was sent. TTFT = first text delta, TTFP = first audio chunk,
 RTF = last audio chunk / audio seconds (below 1 is faster than real time), E2E = end of the stream,
 ITL = gaps between text deltas, ICG = gaps between audio chunks (both pooled over a row's requests).
+Stalls are a listener's: playback starts at the first audio chunk and plays in real time; a chunk that comes
+after all the audio before it has played out is a stall, of the time the listener waited (`playback_stalls`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,7 +19,18 @@ from omnistage.outputs import SAMPLE_RATE
 PERCENTILES = (50, 90, 99)
 # metric -> (unit scale from seconds, row key stem)
 _METRICS = {"ttft": (1e3, "ttft_ms"), "ttfp": (1e3, "ttfp_ms"), "e2e": (1e3, "e2e_ms"), "rtf": (1.0, "rtf"),
-            "itl": (1e3, "itl_ms"), "icg": (1e3, "icg_ms")}
+            "itl": (1e3, "itl_ms"), "icg": (1e3, "icg_ms"), "stall": (1e3, "stall_ms")}
+
+
+def playback_stalls(times: Sequence[float], samples: Sequence[int]) -> tuple[int, float]:
+    """(count, seconds) of the stalls of chunks of `samples` arriving at `times` (seconds), played from the
+    first one on (which is never a stall)."""
+    count, stalled, play_end = 0, 0.0, times[0] if times else 0.0
+    for t, n in zip(times, samples, strict=True):
+        if t > play_end:
+            count, stalled, play_end = count + 1, stalled + t - play_end, t
+        play_end += n / SAMPLE_RATE
+    return count, stalled
 
 
 @dataclass
@@ -27,6 +41,7 @@ class RequestResult:
     text_times: list[float] = field(default_factory=list)
     audio_times: list[float] = field(default_factory=list)
     audio_samples: int = 0
+    audio_chunks: list[int] = field(default_factory=list)  # samples of each audio chunk (audio_times')
     end: float = 0.0
     prompt_tokens: int | None = None  # as the server counted them (usage)
     output_tokens: int | None = None  # text tokens (usage)
@@ -47,6 +62,7 @@ class RequestResult:
         out["ttft"] = self.text_times[:1]
         out["ttfp"] = self.audio_times[:1]
         out["rtf"] = [self.audio_times[-1] / self.audio_s] if self.audio_times and self.audio_samples else []
+        out["stall"] = [playback_stalls(self.audio_times, self.audio_chunks)[1]] if self.audio_chunks else []
         return out
 
 
@@ -64,7 +80,9 @@ def _mean(values: list[float | int | None]) -> float | None:
 
 def summarize(results: list[RequestResult], *, backend: str, concurrency: int, prompt_tokens: int,
               start: float, cancelled: int = 0) -> dict:
-    """One row: counts, throughput over [start, last finish], and mean/p50/p90/p99 of every metric."""
+    """One row: counts, throughput over [start, last finish], mean/p50/p90/p99 of every metric (stall_ms:
+    each stream's stalled seconds, over all streams), the streams that stalled and their seconds, and the
+    TTFP of the request sent first (against the mean: what a cold start costs)."""
     done = [r for r in results if r.ok]
     duration = max((r.finish for r in done), default=start) - start
     audio_s = sum(r.audio_s for r in done)
@@ -82,6 +100,11 @@ def summarize(results: list[RequestResult], *, backend: str, concurrency: int, p
     per_request = [r.values() for r in done]
     for name, (scale, stem) in _METRICS.items():
         row.update(_stats([v for vals in per_request for v in vals[name]], scale, stem))
+    stalls = [vals["stall"][0] for vals in per_request if vals["stall"]]
+    row.update(stalled_streams=sum(s > 0 for s in stalls), stall_s=sum(stalls),
+               max_stall_ms=1e3 * max(stalls) if stalls else None)
+    first = min(done, key=lambda r: r.send, default=None)
+    row["first_ttfp_ms"] = 1e3 * first.audio_times[0] if first and first.audio_times else None
     errors = sorted({r.error for r in results if not r.ok})
     if errors:
         row["errors"] = errors[:5]

@@ -3,16 +3,16 @@
 All times are perf_counter() seconds. A turn: its speech's last append went out (`speech_end`), the server's
 `input_audio_buffer.speech_stopped` came (`vad_stop`), then its answer's `response.output_audio.delta`s
 (time, samples) and `response.done` (status). Playback starts at the first delta and plays in real time;
-a stall is a delta that comes after everything before it has played. A barge-in turn's answer is
-interrupted by the next turn's speech, whose first append went out at `barge_send`: barge-in -> silence
-is the answer's last delta after that (0 when none came after it).
+a stall is a delta that comes after everything before it has played (metrics.playback_stalls). A barge-in
+turn's answer is interrupted by the next turn's speech, whose first append went out at `barge_send`:
+barge-in -> silence is the answer's last delta after that (0 when none came after it).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from omnistage.bench.metrics import _stats
+from omnistage.bench.metrics import _stats, playback_stalls
 from omnistage.outputs import SAMPLE_RATE
 
 # metric -> (unit scale from seconds, row key stem)
@@ -43,12 +43,7 @@ class Turn:
 
     def stalls(self) -> tuple[int, float]:
         """(count, seconds) of playback stalls (the first delta starts playback: never a stall)."""
-        count, stalled, play_end = 0, 0.0, self.deltas[0][0]
-        for t, n in self.deltas:
-            if t > play_end:
-                count, stalled, play_end = count + 1, stalled + t - play_end, t
-            play_end += n / SAMPLE_RATE
-        return count, stalled
+        return playback_stalls(*zip(*self.deltas))
 
     def values(self) -> dict[str, list[float]]:
         first = self.deltas[0][0]

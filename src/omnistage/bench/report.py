@@ -19,12 +19,17 @@ TABLE = "results.md"
 PLOTS = {"throughput.png": ("request_throughput", "requests / s"), "ttfp.png": ("mean_ttfp_ms", "mean TTFP (ms)"),
          "rtf.png": ("mean_rtf", "mean RTF (below 1: faster than real time)")}
 # markdown column -> (row key, format)
-COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "P": ("prompt_tokens", "{}"), "c": ("concurrency", "{}"),
-           "n": ("num_requests", "{}"), "req/s": ("request_throughput", "{:.3f}"),
+COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "workload": ("workload", "{}"),
+           "media": ("media", "{}"), "P": ("prompt_tokens", "{}"),
+           "server P": ("mean_server_prompt_tokens", "{:.0f}"),
+           "c": ("concurrency", "{}"), "n": ("num_requests", "{}"), "req/s": ("request_throughput", "{:.3f}"),
            "audio s/s": ("audio_throughput", "{:.2f}"), "TTFT ms": ("mean_ttft_ms", "{:.0f}"),
            "TTFP ms": ("mean_ttfp_ms", "{:.0f}"), "TTFP p50": ("p50_ttfp_ms", "{:.0f}"),
            "TTFP p90": ("p90_ttfp_ms", "{:.0f}"), "TTFP p99": ("p99_ttfp_ms", "{:.0f}"),
-           "RTF": ("mean_rtf", "{:.3f}"), "RTF p90": ("p90_rtf", "{:.3f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
+           "TTFP 1st": ("first_ttfp_ms", "{:.0f}"), "RTF": ("mean_rtf", "{:.3f}"),
+           "RTF p90": ("p90_rtf", "{:.3f}"),
+           "stalled": ("stalled_streams", "{}"), "stall s": ("stall_s", "{:.3f}"),
+           "max stall ms": ("max_stall_ms", "{:.0f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
            "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
 # the realtime table: column -> (row key, format)
 REALTIME_COLUMNS = {"clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"), "sessions": ("concurrency", "{}"),
@@ -99,6 +104,12 @@ def _is_realtime(row: dict) -> bool:
     return row.get("workload") == "realtime"
 
 
+def _row_key(row: dict) -> tuple:
+    """Rows in order: backend, variant, workload, media, prompt length, concurrency."""
+    return (row["backend"], row.get("variant") or "", row.get("workload") or "", row.get("media") or "",
+            row["prompt_tokens"], row["concurrency"])
+
+
 def markdown(results: dict) -> str:
     meta = results["meta"]
     chat = [r for r in results["rows"] if not _is_realtime(r)]
@@ -106,11 +117,13 @@ def markdown(results: dict) -> str:
               f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
     lines += ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    for row in sorted(chat, key=lambda r: (r["backend"], r.get("variant") or "", r["prompt_tokens"],
-                                           r["concurrency"])):
+    for row in sorted(chat, key=_row_key):
         lines.append("| " + " | ".join(_cell(row, k, f) for k, f in COLUMNS.values()) + " |")
-    lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; for `hf` (no streaming) the concurrency "
-                   "is its batch size and TTFT = TTFP = E2E.")]
+    lines += ["", ("Times in ms, RTF = last audio chunk / audio seconds; P = tokens of the message texts, "
+                   "server P = the server's prompt tokens (media included); TTFP 1st = the first request's; "
+                   "stalled = streams whose playback (from the first chunk, in real time) ran dry, stall s = "
+                   "their total wait, max stall = the longest one stream's; for `hf` (no streaming) the "
+                   "concurrency is its batch size and TTFT = TTFP = E2E.")]
     return "\n".join(lines + _stage_lines(chat) + _phase_lines(chat) + _realtime_lines(results["rows"])) + "\n"
 
 
@@ -129,11 +142,13 @@ def _realtime_lines(rows: list[dict]) -> list[str]:
 def _server_table(rows: list[dict], key: str, columns: list[str], lines_of: Callable[[dict], list[list[str]]],
                   caption: str) -> list[str]:
     """A table of the rows that have server figures under `key` (omnistage: /metrics before and after the
-    row): variant, P, c, then `columns`, one line per cell list `lines_of(row[key])` gives."""
-    lines = ["| " + " | ".join(["variant", "P", "c", *columns]) + " |", "|---" * (3 + len(columns)) + "|"]
-    for row in sorted((r for r in rows if r.get(key)),
-                      key=lambda r: (r.get("variant") or "", r["prompt_tokens"], r["concurrency"])):
-        head = f"| {row.get('variant') or ''} | {row['prompt_tokens']} | {row['concurrency']} | "
+    row): variant, workload (and media), P, c, then `columns`, one line per cell list `lines_of(row[key])`
+    gives."""
+    names = ["variant", "workload", "P", "c", *columns]
+    lines = ["| " + " | ".join(names) + " |", "|---" * len(names) + "|"]
+    for row in sorted((r for r in rows if r.get(key)), key=_row_key):
+        workload = " ".join(filter(None, (row.get("workload"), row.get("media"))))
+        head = f"| {row.get('variant') or ''} | {workload} | {row['prompt_tokens']} | {row['concurrency']} | "
         lines += [head + " | ".join(cells) + " |" for cells in lines_of(row[key])]
     return ["", caption, "", *lines] if len(lines) > 2 else []
 
@@ -155,24 +170,26 @@ def _phase_lines(rows: list[dict]) -> list[str]:
 
 
 def plot(results: dict, out_dir: str | Path) -> list[Path]:
-    """throughput / TTFP / RTF against concurrency, one line per (backend, prompt length)."""
+    """throughput / TTFP / RTF against concurrency, one line per (backend, workload, prompt length)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import matplotlib.ticker
 
-    series: dict[tuple[str, int], list[dict]] = {}
+    series: dict[tuple[str, str, int], list[dict]] = {}
     for row in results["rows"]:
         if not _is_realtime(row) and row["num_requests"] and not row.get("variant"):  # ablation rows: table only
-            series.setdefault((row["backend"], row["prompt_tokens"]), []).append(row)
+            key = (row["backend"], row.get("workload") or "read-aloud", row["prompt_tokens"])
+            series.setdefault(key, []).append(row)
     paths = []
     for name, (key, label) in PLOTS.items() if series else ():
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for (backend, p), rows in sorted(series.items()):
+        for (backend, workload, p), rows in sorted(series.items()):
             pts = sorted((r["concurrency"], r[key]) for r in rows if r.get(key) is not None)
+            label = f"{backend} P={p}" if workload == "read-aloud" else f"{backend} {workload}"
             if pts:
-                ax.plot(*zip(*pts), "o-" if backend == "omnistage" else "s--", label=f"{backend} P={p}")
+                ax.plot(*zip(*pts), "o-" if backend == "omnistage" else "s--", label=label)
         ax.set_xscale("log", base=2)
         ax.set_xticks(sorted({r["concurrency"] for rows in series.values() for r in rows}))
         ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())

@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
@@ -91,6 +91,7 @@ class BenchRequest:
     prompt_tokens: int  # tokens of the message texts, by the counter
     text_tokens: int  # tokens of the whole sentence: the forced text length
     seed: int
+    extra: dict = field(default_factory=dict)  # further body fields (use_audio_in_video)
 
     @property
     def audio_frames(self) -> int:
@@ -137,14 +138,20 @@ def build_requests(prompt_tokens: int, num: int, seed: int, counter: TokenCounte
                    sentences: list[Sentence] | None = None) -> list[BenchRequest]:
     """`num` requests over a seeded shuffle of the pool; the same seed gives the same sentences at every
     prompt length and concurrency."""
-    pool = list(sentences or load_sentences())
-    random.Random(seed).shuffle(pool)
+    pool = shuffled_pool(seed, sentences)
     out = []
     for i in range(num):
         pos = i % len(pool)
         messages, size = _prompt(pool, pos, prompt_tokens, counter)
         out.append(BenchRequest(i, pool[pos], messages, size, counter.count(pool[pos].text), seed * 100_003 + i))
     return out
+
+
+def shuffled_pool(seed: int, sentences: list[Sentence] | None = None) -> list[Sentence]:
+    """The pool in the seed's order: request i of every workload forces the lengths of sentence i."""
+    pool = list(sentences or load_sentences())
+    random.Random(seed).shuffle(pool)
+    return pool
 
 
 class Budget:
