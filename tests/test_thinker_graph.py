@@ -116,16 +116,22 @@ def test_aborts_free_everything() -> None:
 
 
 def test_capture_protocol_with_emulated_graphs() -> None:
-    # what the static buffers hold at warm-up, capture (padding rows only) and replay, as on CUDA
+    # what the static buffers hold at warm-up, capture (padding rows only) and replay, as on CUDA; past the
+    # widths captured at start the steps run eagerly (nothing is captured mid-serving); without any captured
+    # at start, each width is captured when first needed
     sampling = [{"temperature": 0, "max_tokens": m, "ignore_eos": True} for m in (4, 9, 6)]
     runner = omni(True).engine.thinker.runner
-    runner.graphs = EmulatedGraphs()
+    want = [b.token_ids for b in chat(omni(False), 3, sampling, audio=False)]
     try:
+        runner.graphs = EmulatedGraphs()
         runner.capture([3])  # at start: every batch bucket at width 3 -> bucket 4 (BLOCK 4: 9..16 tokens)
         assert set(runner.graphs.fns) == {(b, 4) for b in SIZES}
         ran = chat(omni(True), 3, sampling, audio=False)
+        assert set(runner.graphs.fns) == {(b, 4) for b in SIZES}
+        runner.graphs, runner.min_width, runner.max_captured = EmulatedGraphs(), 1, 0
+        lazy = chat(omni(True), 3, sampling, audio=False)
         keys = set(runner.graphs.fns)
     finally:
-        runner.graphs = None
-    assert [a.token_ids for a in ran] == [b.token_ids for b in chat(omni(False), 3, sampling, audio=False)]
-    assert len(keys) > len(SIZES) and {b for b, _ in keys} == set(SIZES)
+        runner.graphs, runner.min_width, runner.max_captured = None, 1, 0
+    assert [a.token_ids for a in ran] == want == [a.token_ids for a in lazy]
+    assert {w for _, w in keys} >= {8, 16}  # what the first run decoded eagerly

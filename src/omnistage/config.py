@@ -50,6 +50,10 @@ def _is_memory(v: Any) -> bool:
 _positive_int = _rule(lambda v: _is_int(v, 1), "must be a positive integer")
 _non_negative_int = _rule(lambda v: _is_int(v, 0), "must be an integer >= 0")
 _bool = _rule(lambda v: isinstance(v, bool), "must be true or false")
+_mm_limits = _rule(lambda v: isinstance(v, dict) and set(v) <= {"image", "video"} and all(
+    isinstance(d, dict) and set(d) <= {"min_pixels", "max_pixels", "total_pixels"} and all(
+        _is_int(x, 1) for x in d.values()) for d in v.values()),
+    'must be {"image" / "video": {"min_pixels" / "max_pixels" / "total_pixels": positive integer}}')
 _devices = _rule(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x, 0) for x in v),
                  "must be a non-empty list of device indices >= 0", tuple)
 _sizes = _rule(lambda v: isinstance(v, (list, tuple)) and all(_is_int(x, 1) for x in v),
@@ -145,7 +149,10 @@ class DeployConfig:
     it is committed.
     `enable_prefix_caching`: the thinker keeps computed prompt blocks for later prompts with the same
     prefix (vLLM's flag); `encoder_cache_mb`: MiB of encoder rows kept per thinker for media sent again
-    (0: none); both count against the device's memory budget as activations do."""
+    (0: none); both count against the device's memory budget as activations do.
+    `mm_processor_kwargs`: pixel limits of images and video frames ({"image" / "video": {"min_pixels",
+    "max_pixels", "total_pixels"}}; requests' own knobs apply within them): by default an image is at most
+    1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844)."""
 
     stages: Stages = _sub(Stages)
     connector: ConnectorConfig = _sub(ConnectorConfig)
@@ -159,6 +166,8 @@ class DeployConfig:
     realtime_streaming_input: bool = _opt(False, _bool)
     enable_prefix_caching: bool = _opt(True, _bool)
     encoder_cache_mb: int = _opt(512, _non_negative_int)
+    mm_processor_kwargs: dict = field(default_factory=lambda: {"image": {"max_pixels": 1280 * 32 * 32}},
+                                      metadata={"check": _mm_limits})
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

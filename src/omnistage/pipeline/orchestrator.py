@@ -38,7 +38,7 @@ class Orchestrator:
         `placement`: "local" (threads of this process) or "ray" (actors); default: the deploy config's."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
-        self.processor = PromptProcessor(model_dir, media_policy)
+        self.processor = PromptProcessor(model_dir, media_policy, self.deploy.mm_processor_kwargs)
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)

@@ -46,13 +46,15 @@ class PromptInputs:
 
 
 class PromptProcessor:
-    def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None) -> None:
+    def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None,
+                 limits: dict[str, dict[str, int]] | None = None) -> None:
+        """`limits`: the deploy's `mm_processor_kwargs` (visual_processing.within)."""
         from transformers import WhisperFeatureExtractor
 
         self.media_policy = media_policy or MediaPolicy()
         self.tokenizer = load_tokenizer(model_dir)
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
-        self.visual = VisualProcessor(str(model_dir))
+        self.visual = VisualProcessor(str(model_dir), limits)
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
         self.n_window_infer = thinker.get("audio_config", {}).get("n_window_infer", 800)  # mel frames

@@ -48,16 +48,32 @@ def frame_budget(options: dict[str, Any], num_frames: int, temporal: int, size: 
     return {**options, "max_pixels": max(int(per_frame), int(low * 1.05))}
 
 
+def within(options: dict[str, Any], limits: dict[str, int]) -> dict[str, Any]:
+    """An item's options inside the deploy's limits (`mm_processor_kwargs`): a pixel cap it gives above the
+    limit, or does not give, is the limit; a fixed size past `max_pixels` is scaled down to it."""
+    out = dict(options)
+    for key, cap in limits.items():
+        out[key] = min(out[key], cap) if key in out else cap
+    if "min_pixels" in out and "max_pixels" in out:
+        out["min_pixels"] = min(out["min_pixels"], out["max_pixels"])
+    if "resized_height" in out and "resized_width" in out and "max_pixels" in out:
+        scale = min(1.0, (out["max_pixels"] / (out["resized_height"] * out["resized_width"])) ** 0.5)
+        out["resized_height"], out["resized_width"] = (max(1, int(out[k] * scale))
+                                                       for k in ("resized_height", "resized_width"))
+    return out
+
+
 class VisualProcessor:
     """Per-item options: `min_pixels`, `max_pixels`, `resized_height` with `resized_width`; videos also
-    `total_pixels`."""
+    `total_pixels`; all within `limits` ({"image": {...}, "video": {...}}, see `within`)."""
 
-    def __init__(self, model_dir: str) -> None:
+    def __init__(self, model_dir: str, limits: dict[str, dict[str, int]] | None = None) -> None:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
         self.video_size = processor_video_size()
         self.merge_size = self.image_processor.merge_size
+        self.limits = limits or {}
 
     def pixels(self, images: list[Any], options: dict[str, Any], default_size: dict[str, int]) -> dict[str, Any]:
         """The image processor's output (numpy) for `images` of one item, at its size options."""
@@ -77,7 +93,8 @@ class VisualProcessor:
 
     def images(self, images: list[Any], options: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [patches, C * T * P * P], image_grid_thw [n, 3])."""
-        done = [self.pixels([im], opt, self.image_processor.size) for im, opt in zip(images, options)]
+        cap = self.limits.get("image", {})
+        done = [self.pixels([im], within(opt, cap), self.image_processor.size) for im, opt in zip(images, options)]
         return (torch.from_numpy(np.concatenate([d["pixel_values"] for d in done])),
                 torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in done])))
 
@@ -87,7 +104,7 @@ class VisualProcessor:
         `frames` [T, H, W, 3] uint8 at `fps` (1 when unknown, as the processor assumes)."""
         ip, patches, grids = self.image_processor, [], []
         for video, opt in zip(videos, options):
-            frames = list(video.frames)
+            frames, opt = list(video.frames), within(opt, self.limits.get("video", {}))
             done = self.pixels(frames, frame_budget(opt, len(frames), ip.temporal_patch_size, self.video_size),
                               self.video_size)
             p, t = video_patches(done["pixel_values"], len(frames), ip.temporal_patch_size, 3, ip.patch_size)

@@ -19,6 +19,7 @@ from omnistage.pipeline.code2wav.stage import Code2WavStage
 from omnistage.pipeline.placement.sizing import Key, build_sized, kv_shares, load_modules
 from omnistage.pipeline.placement.stage_handle import LocalStage, StageHandles, worker_name
 from omnistage.pipeline.talker.stage import TalkerStage
+from omnistage.pipeline.thinker.inputs import warm_encoders
 from omnistage.pipeline.thinker.stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
 from omnistage.platform import current_platform
@@ -50,9 +51,12 @@ class Placement:
 
 def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) -> None:
     """CUDA graphs now, not in the first requests: code2wav's fixed chunk shapes, the thinker's and the
-    talker's at the deploy config's `cuda_graph_capture_widths` and their prefill graphs."""
+    talker's at the deploy config's `cuda_graph_capture_widths` and their prefill graphs; the thinker's
+    encoders run once."""
     if stage.runner is None:
         return
+    if isinstance(stage, ThinkerStage):
+        warm_encoders(stage.thinker, stage.device, stage.dtype)
     if isinstance(stage, Code2WavStage):
         stage.runner.capture()
         return

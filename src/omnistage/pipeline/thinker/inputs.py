@@ -94,6 +94,20 @@ def encode_media(thinker: torch.nn.Module, prompts: list[PromptInputs], device: 
     return list(zip(audios, images, videos))
 
 
+def warm_encoders(thinker: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Run the audio tower (a 5 s clip) and the vision encoder (a 640 x 480 photo, a 4-frame 320 x 240 video)
+    once, at start, so that the first media request does not pay their first calls."""
+    mels = thinker.audio_tower.config.num_mel_bins
+    thinker.encode_audio(torch.zeros(1, mels, 500, device=device, dtype=dtype),
+                         torch.ones(1, 500, dtype=torch.long, device=device))
+    v = thinker.visual.config
+    for grid in ([1, 30, 40], [2, 16, 20]):
+        rows = grid[0] * grid[1] * grid[2]
+        width = v.in_channels * v.temporal_patch_size * v.patch_size**2
+        thinker.encode_visual(torch.zeros(rows, width, device=device, dtype=dtype),
+                              torch.tensor([grid], device=device))
+
+
 def _count(grids: torch.Tensor | None) -> int:
     return 0 if grids is None else grids.shape[0]
 

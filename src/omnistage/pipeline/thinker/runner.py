@@ -37,6 +37,7 @@ class ThinkerGraphRunner:
         self.thinker, self.batch_sizes, self.penalties = thinker, sorted(batch_sizes), penalties
         self.max_width, self.block_size = max_width, block_size
         self.min_width = 1  # the narrowest width captured at start (see `width_bucket`)
+        self.max_captured = 0  # the widest (0: none captured at start; any width is captured when needed)
         rows = self.batch_sizes[-1]
         self.ints = torch.zeros(4 + len(_INTS), rows, dtype=torch.long, device=dev)
         self.floats = torch.zeros(len(_FLOATS), rows, dtype=torch.float32, device=dev)
@@ -55,6 +56,8 @@ class ThinkerGraphRunner:
             return None
         need = -(-(max(s.num_computed for s in seqs) + 1) // self.block_size)
         w = width_bucket(need, self.max_width, self.min_width)
+        if self.graphs is not None and self.max_captured and w > self.max_captured:
+            return None  # NOTE: never a capture in the middle of serving: past the start's widths, eagerly
         self._capture(b, w)
         self._load(b, w, seqs, tables, pending)
         tokens, embeds = self._forward(b, w) if self.graphs is None else self.graphs.replay((b, w))
@@ -63,8 +66,9 @@ class ThinkerGraphRunner:
 
     def capture(self, widths: Sequence[int]) -> None:
         """Capture now (on CUDA) every batch bucket's graphs for `widths` (KV blocks per row), largest batch
-        first; other widths are captured when first needed."""
+        first; wider ones then run eagerly, narrower ones are captured when first needed."""
         self.min_width = min(widths, default=1)
+        self.max_captured = max((width_bucket(w, self.max_width) for w in widths), default=0)
         for b in reversed(self.batch_sizes):
             for w in widths:
                 self._capture(b, width_bucket(w, self.max_width))
