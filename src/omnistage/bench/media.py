@@ -1,12 +1,11 @@
 """The media of the spoken-question, visual-question and video workloads: the shipped clips and photos
 (omnistage/data/, see data/README.md), the 1280x720 and 4032x3024 photos made from them, 320x240 videos made
-with PyAV, and a per-request tag that makes each request's bytes differ while the decoded media stay the same
-(so a content-hash cache of the server's hits only where a workload repeats media on purpose)."""
+with PyAV, and a per-request variation, unnoticeable, in what the server decodes (so the server's caches of
+encoder rows and prompt prefixes hit only where a workload repeats media on purpose)."""
 
 from __future__ import annotations
 
 import io
-import struct
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -33,6 +32,7 @@ class Media:
     name: str
     data: bytes
     mime: str  # audio/flac, audio/wav, image/jpeg or video/mp4
+    data_seconds: float = 0.0  # a video's length
 
     @property
     def format(self) -> str:
@@ -80,6 +80,10 @@ def photo(name: str) -> Media:
 def video(photo_name: str, clip: str, seconds: float) -> Media:
     """`seconds` of a 320x240 window panning across the photo at 25 fps (mpeg4), with the clip (cut or
     padded with silence to the video's length) as its aac track at 16 kHz."""
+    return _video(photo_name, clip, seconds, None)
+
+
+def _video(photo_name: str, clip: str, seconds: float, tag: int | None) -> Media:
     import av
 
     frames = round(seconds * VIDEO_FPS)
@@ -89,6 +93,8 @@ def video(photo_name: str, clip: str, seconds: float) -> Media:
     pixels = np.asarray(image)
     wav, samples = decode_audio_bytes(spoken_clip(clip).data), round(seconds * AUDIO_INPUT_RATE)
     wav = np.pad(wav, (0, max(0, samples - wav.size)))[:samples]
+    if tag is not None:
+        wav = _nudged((wav * 32767).astype(np.int16), tag).astype(np.float32) / 32767
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("mpeg4", rate=VIDEO_FPS)
@@ -96,7 +102,9 @@ def video(photo_name: str, clip: str, seconds: float) -> Media:
         track = out.add_stream("aac", rate=AUDIO_INPUT_RATE)
         for i in range(frames):
             x = round((pixels.shape[1] - VIDEO_SIZE[0]) * i / max(1, frames - 1))
-            window = np.ascontiguousarray(pixels[:VIDEO_SIZE[1], x:x + VIDEO_SIZE[0]])
+            window = np.array(pixels[:VIDEO_SIZE[1], x:x + VIDEO_SIZE[0]])
+            if tag is not None:
+                window[:8, :8] = _colour(tag)
             out.mux(stream.encode(av.VideoFrame.from_ndarray(window, format="rgb24")))
         out.mux(stream.encode())
         for s in range(0, wav.size, 1024):
@@ -104,24 +112,43 @@ def video(photo_name: str, clip: str, seconds: float) -> Media:
             frame.sample_rate = AUDIO_INPUT_RATE
             out.mux(track.encode(frame))
         out.mux(track.encode())
-    return Media(f"{photo_name}+{clip}", buf.getvalue(), "video/mp4")
+    return Media(f"{photo_name}+{clip}", buf.getvalue(), "video/mp4", seconds)
 
 
-def tagged(media: Media, tag: int | None) -> bytes:
-    """The media's bytes with `tag` written where decoders skip it (a JPEG comment, a FLAC application
-    block, an mp4 `free` box, a RIFF chunk); None: the bytes as they are."""
+def varied(media: Media, tag: int | None) -> bytes:
+    """The media with a change one would hardly notice, from `tag`, in what the server decodes (not only in
+    its bytes, which a server's cache of decoded media sees through): a photo's 8x8 corner block, a clip's two
+    loudest samples (a few LSB), a video's every frame's corner block and its track's loudest samples.
+    None: the bytes as they are."""
     if tag is None:
         return media.data
-    data, text = media.data, f"omnistage bench {tag}".encode()
     if media.mime == "image/jpeg":
-        return data[:2] + b"\xff\xfe" + struct.pack(">H", len(text) + 2) + text + data[2:]
+        image = np.array(Image.open(io.BytesIO(media.data)).convert("RGB"))
+        image[:8, :8] = _colour(tag)
+        buf = io.BytesIO()
+        Image.fromarray(image).save(buf, format="JPEG", quality=92)
+        return buf.getvalue()
+    if media.mime.startswith("audio/"):
+        import soundfile as sf
+
+        wav, rate = sf.read(io.BytesIO(media.data), dtype="int16")
+        buf = io.BytesIO()
+        sf.write(buf, _nudged(wav, tag), rate, format=media.format.upper(), subtype="PCM_16")
+        return buf.getvalue()
     if media.mime == "video/mp4":
-        return data + struct.pack(">I", len(text) + 8) + b"free" + text
-    if media.mime == "audio/flac":  # NOTE: STREAMINFO stays first; the new block takes its last-block flag
-        block = b"omni" + text
-        return (data[:4] + bytes([data[4] & 0x7F]) + data[5:42] + bytes([data[4] & 0x80 | 2])
-                + struct.pack(">I", len(block))[1:] + block + data[42:])
-    if media.mime == "audio/wav":
-        chunk = b"note" + struct.pack("<I", len(text)) + text + b"\0" * (len(text) % 2)
-        return data[:4] + struct.pack("<I", len(data) - 8 + len(chunk)) + data[8:] + chunk
-    raise ValueError(f"cannot tag {media.mime}")
+        photo_name, clip = media.name.split("+")
+        return _video(photo_name, clip, float(media.data_seconds), tag).data
+    raise ValueError(f"cannot vary {media.mime}")
+
+
+def _colour(tag: int) -> list[int]:
+    """An 8x8 corner block's colour: far apart for consecutive tags (JPEG keeps it)."""
+    return [tag * 37 % 256, tag * 101 % 256, tag * 173 % 256]
+
+
+def _nudged(wav: np.ndarray, tag: int) -> np.ndarray:
+    """The two loudest samples moved towards zero by 1-64 LSB each: 4096 variants."""
+    out = wav.copy()
+    for i, step in zip(np.argsort(-np.abs(out.astype(np.int32)))[:2], (1 + tag % 64, 1 + tag // 64 % 64)):
+        out[i] -= int(np.sign(out[i])) * step
+    return out

@@ -6,8 +6,8 @@ instruction; visual-question: a photo (`image_url` data URL) and a question abou
 `use_audio_in_video`. Request i carries media item i (cycling over the chosen ones); with random weights it
 forces the output lengths of the read-aloud workload's request i at the same seed (that sentence's tokens and
 reading time), so every workload's rows answer at the same lengths. `prompt_tokens` counts the message texts
-only; the server's count (usage) has the media's tokens too. Each request's media bytes carry a fresh tag
-(bench/media.py) unless `repeat_media`, so no request repeats another's bytes.
+only; the server's count (usage) has the media's tokens too. Each request's media differ a little from every
+other's (bench/media.py `varied`) unless `repeat_media`, so no request repeats another's media.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 
 from omnistage.bench import media
-from omnistage.bench.media import Media, tagged
+from omnistage.bench.media import Media, varied
 from omnistage.bench.workload import BenchRequest, TokenCounter, build_requests, shuffled_pool
 
 MEDIA_WORKLOADS = ("spoken-question", "visual-question", "video", "video-audio")
@@ -51,7 +51,7 @@ def media_items(workload: str, options: MediaOptions) -> list[Media]:
 
 
 def media_part(item: Media, data: bytes) -> dict:
-    """The OpenAI content part that carries `data` (the item's bytes, maybe tagged)."""
+    """The OpenAI content part that carries `data` (the item's bytes, maybe varied)."""
     b64 = base64.b64encode(data).decode()
     if item.mime.startswith("audio/"):
         return {"type": "input_audio", "input_audio": {"data": b64, "format": item.format}}
@@ -66,7 +66,7 @@ def build_media_requests(workload: str, num: int, seed: int, counter: TokenCount
     out = []
     for i in range(num):
         item, question, sentence = items[i % len(items)], questions[i % len(questions)], pool[i % len(pool)]
-        data = tagged(item, None if options.repeat_media else next(_TAGS))
+        data = varied(item, None if options.repeat_media else next(_TAGS))
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": [media_part(item, data), {"type": "text", "text": question}]}]
         out.append(BenchRequest(i, sentence, messages, counter.count(SYSTEM_PROMPT) + counter.count(question),
