@@ -16,6 +16,7 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.layers.context import build_context, forward_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from graph_helpers import EmulatedGraphs, kv
+from mm_samples import tone
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five."]
@@ -44,13 +45,15 @@ def chat(o: Omni, n: int, audio: bool = True):
                   talker_sampling={"temperature": 0, "max_frames": 10, "ignore_eos": True})
 
 
-def counting(runner) -> list[int]:
-    """Records the rows of every `runner.run`."""
+def counting(runner, captures: list | None = None) -> list[int]:
+    """Records the rows of every `runner.run` (and into `captures` whether it asked for the capture layer)."""
     calls, run = [], runner.run
 
-    def spy(embeds, positions, lens, tables):
+    def spy(embeds, positions, lens, tables, capture=False):
         calls.append(sum(lens))
-        return run(embeds, positions, lens, tables)
+        if captures is not None:
+            captures.append(capture)
+        return run(embeds, positions, lens, tables, capture)
 
     runner.run = spy
     return calls
@@ -74,6 +77,28 @@ def test_tokens_codes_and_audio_equal_eager_prefills() -> None:
     for a, b in zip(ran, eager):
         assert a.token_ids == b.token_ids and np.array_equal(a.codes, b.codes)
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-5)
+
+
+def test_audio_prompts_take_the_prefill_graphs_with_the_accept_layer() -> None:
+    """A spoken question's prompt (no visual rows) runs in the capture-layer graphs; the talker's prompt
+    reads their accept-layer rows: the same tokens, codes and audio as eager prefills. Asked again, it runs
+    whole in the graph again rather than eagerly past its cached prefix (thinker/prefix.py)."""
+    conv = [{"role": "user", "content": [{"type": "audio", "audio": tone(1.1)}, "What is this?"]}]
+    kw = dict(sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True},
+              talker_sampling={"temperature": 0, "max_frames": 8, "ignore_eos": True})
+    eager = omni(False).chat(conv, **kw)
+    runner, captures = omni(True).engine.thinker.prefill, []
+    runner.graphs = EmulatedGraphs()
+    calls = counting(runner, captures)
+    try:
+        ran, again = omni(True).chat(conv, **kw), omni(True).chat(conv, **kw)
+    finally:
+        runner.graphs = None
+        del runner.run
+    assert calls == [eager.usage.prompt_tokens] * 2 and captures == [True, True]
+    assert again.token_ids == eager.token_ids
+    assert ran.token_ids == eager.token_ids and np.array_equal(ran.codes, eager.codes)
+    np.testing.assert_allclose(ran.audio, eager.audio, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("budget, steps", [(40, [[11, 25], [10, 18]]), (20, [[11], [19], [6, 10], [17], [1]])])
@@ -111,7 +136,7 @@ def test_run_matches_the_eager_forward_and_writes_only_live_slots() -> None:
         for cache in (layer.self_attn.attn.k_cache, layer.self_attn.attn.v_cache):
             cache[runner.scratch].normal_()
     before = kv(model).clone()
-    hidden = runner.run(embeds, positions, lens, tables).clone()
+    hidden = runner.run(embeds, positions, lens, tables)[0].clone()
     after = kv(model).clone()
     with forward_context(build_context([0] * 3, lens, tables, BLOCK)):
         ref = model(embeds, positions)[0]
@@ -132,7 +157,7 @@ def test_bucket_edges(lens: list[int]) -> None:
     tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
     embeds = torch.randn(sum(lens), runner.embeds.shape[1])
     positions = torch.cat([torch.arange(n) for n in lens])
-    hidden = runner.run(embeds, positions, lens, tables).clone()
+    hidden = runner.run(embeds, positions, lens, tables)[0].clone()
     with forward_context(build_context([0] * len(lens), lens, tables, BLOCK)):
         torch.testing.assert_close(hidden, model(embeds, positions)[0], rtol=1e-5, atol=1e-5)
     assert runner.fits(lens) and not runner.fits([BUCKETS[-1] + 1]) and not runner.fits([1] * 65)
@@ -153,13 +178,14 @@ def omni_cuda() -> Omni:
 def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> None:
     stage = omni_cuda().engine.thinker
     runner, model = stage.prefill, stage.thinker.model
-    assert runner.graphs is not None and set(runner.graphs.graphs) == set(BUCKETS)  # captured at start
+    assert runner.graphs is not None and set(runner.graphs.graphs) == {(t, c) for t in BUCKETS
+                                                                       for c in (False, True)}  # at start
     width = [-(-n // BLOCK) for n in lens]
     tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
     g = torch.Generator("cuda").manual_seed(sum(lens))
     embeds = torch.randn(sum(lens), runner.embeds.shape[1], device="cuda", generator=g).to(runner.embeds.dtype)
     positions = torch.cat([torch.arange(n) for n in lens]).cuda()
-    hidden = runner.run(embeds, positions, lens, tables).clone()
+    hidden = runner.run(embeds, positions, lens, tables)[0].clone()
     with forward_context(build_context([0] * len(lens), lens, tables, BLOCK, "cuda")):
         ref = model(embeds, positions)[0]
     assert torch.isfinite(hidden).all()

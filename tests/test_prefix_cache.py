@@ -37,13 +37,13 @@ def test_blocks_are_shared_kept_after_release_and_evicted_least_recent_first() -
     assert (bm.queries, bm.hits) == (8, 4)
 
 
-def test_match_leaves_a_row_honours_min_tokens_and_extra_capacity() -> None:
+def test_match_stops_at_max_tokens_and_register_at_extra_capacity() -> None:
     bm = BlockManager(8, 2, extra_capacity=16)
     hashes = block_hashes(range(6), 2)
     bm.allocate("a", 6)
     bm.register("a", hashes, [None, torch.ones(2, 2), torch.ones(2, 2)])  # the third passes 16 bytes
     assert len(bm.cached) == 2
-    assert len(bm.match("b", hashes, 3)) == 1 and bm.match("c", hashes, 6, min_tokens=6) == []
+    assert len(bm.match("b", hashes, 3)) == 1 and len(bm.match("c", hashes, 6)) == 2
 
 
 def test_media_keys_enter_the_hash_from_the_block_where_their_placeholders_start() -> None:

@@ -65,16 +65,14 @@ class BlockManager:
                 if block not in self.hash_of:  # NOTE: nothing to keep: reused before the cached blocks
                     self.free.move_to_end(block, last=False)
 
-    def match(self, seq_id: str, hashes: Sequence[bytes], max_tokens: int, min_tokens: int = 1) -> list[int]:
+    def match(self, seq_id: str, hashes: Sequence[bytes], max_tokens: int) -> list[int]:
         """The longest run of cached blocks for the prompt's block `hashes`, of at most `max_tokens`
-        tokens, taken into `seq_id`'s (empty) table when it holds `min_tokens` or more; returns them."""
+        tokens, taken into `seq_id`'s (empty) table; returns them."""
         blocks = []
         for h in hashes[:max_tokens // self.block_size]:
             if (block := self.cached.get(h)) is None:
                 break
             blocks.append(block)
-        if len(blocks) * self.block_size < min_tokens:
-            blocks = []
         self.queries += len(hashes) * self.block_size
         self.hits += len(blocks) * self.block_size
         for block in blocks:

@@ -19,14 +19,17 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.layers.context import ForwardContext, forward_context, to_device
 
-Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (embeds [T, H], positions [3, T]) -> hidden
+# (embeds [T, H], positions [3, T], capture) -> (hidden, the capture layer's rows when `capture`, else None)
+Forward = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
 
 
 class PrefillGraphRunner:
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
                  token_buckets: Sequence[int], max_seqs: int, block_size: int, scratch_block: int) -> None:
         """`forward`: the decoder over flat rows; prompts of up to max(token_buckets) rows in all and up to
-        `max_seqs` prompts per run; padding rows write `scratch_block`."""
+        `max_seqs` prompts per run; padding rows write `scratch_block`. Each bucket has a graph without and
+        one with the capture layer's rows as a second output (the thinker's multimodal prompts: the talker
+        reads them)."""
         self.forward, self.buckets, self.max_seqs = forward, sorted(token_buckets), max_seqs
         self.block_size, self.scratch = block_size, scratch_block
         rows, width = self.buckets[-1], -(-self.buckets[-1] // block_size)
@@ -42,21 +45,22 @@ class PrefillGraphRunner:
         """Whether the prompts go in one run."""
         return self.groups(lens) == [(0, len(lens))]
 
-    def capture(self) -> None:
-        """Capture every bucket now (on CUDA), largest first."""
-        for t in reversed(self.buckets):
-            self._capture(t)
+    def capture(self, with_capture_layer: bool = False) -> None:
+        """Capture every bucket now (on CUDA), largest first (also the graphs with the capture layer)."""
+        for key in [(t, c) for c in (False, True)[:1 + with_capture_layer] for t in reversed(self.buckets)]:
+            self._capture(key)
 
     def run(self, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
-            tables: Sequence[Sequence[int]]) -> torch.Tensor:
-        """Hidden states [sum(lens), H] of fresh prompts (`lens` rows each, in order, through `tables`), flat
-        `embeds` and `positions` ([T] or [3, T]). A view of the graph's output: read it before the next run."""
+            tables: Sequence[Sequence[int]], capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(hidden states [sum(lens), H], the capture layer's when `capture`) of fresh prompts (`lens` rows
+        each, in order, through `tables`), flat `embeds` and `positions` ([T] or [3, T]). Views of the
+        graph's outputs: read them before the next run."""
         total = sum(lens)
-        t = batch_bucket(total, self.buckets)
-        self._capture(t)
-        self._load(t, embeds, positions, lens, tables)
-        hidden = self._forward(t) if self.graphs is None else self.graphs.replay(t)
-        return hidden[:total]
+        key = (batch_bucket(total, self.buckets), capture)
+        self._capture(key)
+        self._load(key[0], embeds, positions, lens, tables)
+        hidden, captured = self._forward(key) if self.graphs is None else self.graphs.replay(key)
+        return hidden[:total], None if captured is None else captured[:total]
 
     def groups(self, lens: Sequence[int]) -> list[tuple[int, int]] | None:
         """Consecutive prompt ranges [a, b) that each fit one run (filled in order); None when a prompt alone
@@ -83,13 +87,13 @@ class PrefillGraphRunner:
         for a, b in groups:
             lo, hi = starts[a], starts[b]
             last = to_device([starts[i + 1] - 1 - lo for i in range(a, b)], torch.long, embeds.device)
-            out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b]).index_select(0, last))
+            out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b])[0].index_select(0, last))
         return torch.cat(out)
 
-    def _capture(self, t: int) -> None:
-        if self.graphs is not None and t not in self.graphs:
-            self._load(t, self.embeds[:0], self.positions[:, :0], [], [])  # warm-up and capture: padding only
-            self.graphs.capture(t, lambda: self._forward(t))
+    def _capture(self, key: tuple[int, bool]) -> None:
+        if self.graphs is not None and key not in self.graphs:
+            self._load(key[0], self.embeds[:0], self.positions[:, :0], [], [])  # warm-up and capture: padding only
+            self.graphs.capture(key, lambda: self._forward(key))
 
     def _load(self, t: int, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
               tables: Sequence[Sequence[int]]) -> None:
@@ -109,19 +113,25 @@ class PrefillGraphRunner:
         self.lens.copy_(seq_lens, non_blocking=True)
         self.tables.copy_(rows, non_blocking=True)
 
-    def _forward(self, t: int) -> torch.Tensor:
+    def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t = key[0]
         ctx = ForwardContext(is_prefill=True, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=t,
                              max_seqlen_k=t, context_lens=self.lens, slot_mapping=self.slots[:t],
                              block_tables=self.tables, block_size=self.block_size, kv_slots=self.slots[:t])
         with forward_context(ctx):
-            return self.forward(self.embeds[:t], self.positions[:, :t])
+            return self.forward(self.embeds[:t], self.positions[:, :t], key[1])
 
 
 def prefill_runner(model: torch.nn.Module, token_buckets: Sequence[int], max_seqs: int, block_size: int,
-                   scratch_block: int) -> PrefillGraphRunner | None:
-    """A runner for `model` (a `DecoderModel`) on its device and dtype; None without buckets."""
+                   scratch_block: int, capture_layer: int | None = None) -> PrefillGraphRunner | None:
+    """A runner for `model` (a `DecoderModel`) on its device and dtype, `capture_layer` the layer its capture
+    graphs output (see `DecoderModel.forward`); None without buckets."""
     if not token_buckets:
         return None
     w = model.norm.weight
-    return PrefillGraphRunner(lambda embeds, positions: model(embeds, positions)[0], w.numel(), w.dtype, w.device,
-                              token_buckets, max_seqs, block_size, scratch_block)
+
+    def forward(embeds: torch.Tensor, positions: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        return model(embeds, positions, capture_layer if capture else None)
+
+    return PrefillGraphRunner(forward, w.numel(), w.dtype, w.device, token_buckets, max_seqs, block_size,
+                              scratch_block)

@@ -63,7 +63,7 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
     if sc.cuda_graph_capture_widths:
         stage.runner.capture(sc.cuda_graph_capture_widths)
     if stage.prefill is not None:
-        stage.prefill.capture()
+        stage.prefill.capture(with_capture_layer=isinstance(stage, ThinkerStage))
 
 
 def replica_names(p: Placement) -> list[tuple[str, int, str]]:

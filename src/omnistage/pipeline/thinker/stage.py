@@ -59,11 +59,12 @@ class ThinkerStage(AsyncOutputStep):
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
                                              self.penalties)
-            self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch)
+            self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch,
+                                          config.talker_config.accept_hidden_layer)
         self.eager = ThinkerEagerStep(thinker, self.blocks, self.penalties, self.prefill,
                                       config.talker_config.accept_hidden_layer)
         self.prefix_caching = prefix_caching
-        self.min_text_prefix = 512 if self.prefill is not None else 1  # NOTE: below it a prefill graph wins
+        self.graph_tokens = self.prefill.buckets[-1] if self.prefill is not None else 0
         self.encoder_cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes > 0 else None
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
@@ -148,7 +149,7 @@ class ThinkerStage(AsyncOutputStep):
                 budget -= n
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
-            take_prefix(self.blocks, seq, self.min_text_prefix)
+            take_prefix(self.blocks, seq, self.graph_tokens)
             # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
             # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
             split = seq.rows_ready > budget and any(s.in_prefill for s, _ in batch)
