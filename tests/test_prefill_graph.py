@@ -16,7 +16,7 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.layers.context import build_context, forward_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from graph_helpers import EmulatedGraphs, kv
-from mm_samples import tone
+from mm_samples import TINY, image, tone, video
 
 PROMPTS = ["Say hello.", "Tell me about the sea and the sky, then about the mountains and the rivers.", "Why?",
            "One, two, three, four, five."]
@@ -49,11 +49,11 @@ def counting(runner, captures: list | None = None) -> list[int]:
     """Records the rows of every `runner.run` (and into `captures` whether it asked for the capture layer)."""
     calls, run = [], runner.run
 
-    def spy(embeds, positions, lens, tables, capture=False):
+    def spy(embeds, positions, lens, tables, capture=False, deepstack=None):
         calls.append(sum(lens))
         if captures is not None:
-            captures.append(capture)
-        return run(embeds, positions, lens, tables, capture)
+            captures.append((capture, deepstack is not None))
+        return run(embeds, positions, lens, tables, capture, deepstack)
 
     runner.run = spy
     return calls
@@ -79,11 +79,17 @@ def test_tokens_codes_and_audio_equal_eager_prefills() -> None:
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-5)
 
 
-def test_audio_prompts_take_the_prefill_graphs_with_the_accept_layer() -> None:
-    """A spoken question's prompt (no visual rows) runs in the capture-layer graphs; the talker's prompt
-    reads their accept-layer rows: the same tokens, codes and audio as eager prefills. Asked again, it runs
-    whole in the graph again rather than eagerly past its cached prefix (thinker/prefix.py)."""
-    conv = [{"role": "user", "content": [{"type": "audio", "audio": tone(1.1)}, "What is this?"]}]
+MEDIA = {"audio": {"type": "audio", "audio": tone(1.1)}, "image": {"type": "image", "image": image(3, 30, 44)},
+         "video": {"type": "video", "video": video(4, 4, 1.0), **TINY}}
+
+
+@pytest.mark.parametrize("kind", list(MEDIA))
+def test_media_prompts_take_the_prefill_graphs_with_the_accept_layer(kind: str) -> None:
+    """A prompt with audio, an image or a video runs in the capture-layer graphs (DeepStack rows in their
+    buffers); the talker's prompt reads their accept-layer rows: the same tokens, codes and audio as eager
+    prefills. Asked again, it runs whole in the graph again rather than eagerly past its cached prefix
+    (thinker/prefix.py)."""
+    conv = [{"role": "user", "content": [MEDIA[kind], "What is this?"]}]
     kw = dict(sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True},
               talker_sampling={"temperature": 0, "max_frames": 8, "ignore_eos": True})
     eager = omni(False).chat(conv, **kw)
@@ -95,7 +101,7 @@ def test_audio_prompts_take_the_prefill_graphs_with_the_accept_layer() -> None:
     finally:
         runner.graphs = None
         del runner.run
-    assert calls == [eager.usage.prompt_tokens] * 2 and captures == [True, True]
+    assert calls == [eager.usage.prompt_tokens] * 2 and captures == [(True, kind != "audio")] * 2
     assert again.token_ids == eager.token_ids
     assert ran.token_ids == eager.token_ids and np.array_equal(ran.codes, eager.codes)
     np.testing.assert_allclose(ran.audio, eager.audio, rtol=0, atol=1e-5)
@@ -178,8 +184,8 @@ def omni_cuda() -> Omni:
 def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> None:
     stage = omni_cuda().engine.thinker
     runner, model = stage.prefill, stage.thinker.model
-    assert runner.graphs is not None and set(runner.graphs.graphs) == {(t, c) for t in BUCKETS
-                                                                       for c in (False, True)}  # at start
+    assert runner.graphs is not None and set(runner.graphs.graphs) == {  # captured at start
+        (t, c, d) for t in BUCKETS for c, d in ((False, False), (True, False), (True, True))}
     width = [-(-n // BLOCK) for n in lens]
     tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
     g = torch.Generator("cuda").manual_seed(sum(lens))

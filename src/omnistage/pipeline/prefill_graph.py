@@ -18,18 +18,22 @@ import torch
 
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.layers.context import ForwardContext, forward_context, to_device
+from omnistage.models.qwen3_omni.decoder import Deepstack
 
-# (embeds [T, H], positions [3, T], capture) -> (hidden, the capture layer's rows when `capture`, else None)
-Forward = Callable[[torch.Tensor, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor | None]]
+# (embeds [T, H], positions [3, T], capture, DeepStack rows or None) -> (hidden, the capture layer's rows or None)
+Forward = Callable[[torch.Tensor, torch.Tensor, bool, Deepstack | None], tuple[torch.Tensor, torch.Tensor | None]]
+Key = tuple[int, bool, bool]  # (token bucket, with the capture layer, with DeepStack rows)
 
 
 class PrefillGraphRunner:
     def __init__(self, forward: Forward, hidden_size: int, dtype: torch.dtype, device: torch.device,
-                 token_buckets: Sequence[int], max_seqs: int, block_size: int, scratch_block: int) -> None:
+                 token_buckets: Sequence[int], max_seqs: int, block_size: int, scratch_block: int,
+                 deepstack_levels: int = 0) -> None:
         """`forward`: the decoder over flat rows; prompts of up to max(token_buckets) rows in all and up to
         `max_seqs` prompts per run; padding rows write `scratch_block`. Each bucket has a graph without and
         one with the capture layer's rows as a second output (the thinker's multimodal prompts: the talker
-        reads them)."""
+        reads them), and with `deepstack_levels` one that also adds visual DeepStack rows: an index buffer and
+        one row buffer per level, the rows past the step's added as zeros to row 0 (exact: x + 0 = x)."""
         self.forward, self.buckets, self.max_seqs = forward, sorted(token_buckets), max_seqs
         self.block_size, self.scratch = block_size, scratch_block
         rows, width = self.buckets[-1], -(-self.buckets[-1] // block_size)
@@ -39,6 +43,9 @@ class PrefillGraphRunner:
         self.cu = torch.zeros(max_seqs + 2, dtype=torch.int32, device=device)
         self.lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.tables = torch.full((max_seqs + 1, width), scratch_block, dtype=torch.int32, device=device)
+        self.ds_index = torch.zeros(rows if deepstack_levels else 0, dtype=torch.long, device=device)
+        self.ds_rows = torch.zeros(deepstack_levels, rows if deepstack_levels else 0, hidden_size, dtype=dtype,
+                                   device=device)
         self.graphs: CUDAGraphs | None = CUDAGraphs() if device.type == "cuda" else None
 
     def fits(self, lens: Sequence[int]) -> bool:
@@ -46,19 +53,30 @@ class PrefillGraphRunner:
         return self.groups(lens) == [(0, len(lens))]
 
     def capture(self, with_capture_layer: bool = False) -> None:
-        """Capture every bucket now (on CUDA), largest first (also the graphs with the capture layer)."""
-        for key in [(t, c) for c in (False, True)[:1 + with_capture_layer] for t in reversed(self.buckets)]:
+        """Capture every bucket now (on CUDA), largest first (also the graphs with the capture layer, and
+        with DeepStack rows where the runner has their buffers)."""
+        kinds = [(False, False)] + [(True, False)] * with_capture_layer + [(True, True)] * (
+            with_capture_layer and self.ds_rows.shape[0] > 0)
+        for key in [(t, c, d) for c, d in kinds for t in reversed(self.buckets)]:
             self._capture(key)
 
     def run(self, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
-            tables: Sequence[Sequence[int]], capture: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+            tables: Sequence[Sequence[int]], capture: bool = False, deepstack: Deepstack | None = None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden states [sum(lens), H], the capture layer's when `capture`) of fresh prompts (`lens` rows
-        each, in order, through `tables`), flat `embeds` and `positions` ([T] or [3, T]). Views of the
-        graph's outputs: read them before the next run."""
+        each, in order, through `tables`), flat `embeds` and `positions` ([T] or [3, T]), `deepstack` their
+        visual rows (with `capture`). Views of the graph's outputs: read them before the next run."""
         total = sum(lens)
-        key = (batch_bucket(total, self.buckets), capture)
+        key = (batch_bucket(total, self.buckets), capture, deepstack is not None)
         self._capture(key)
         self._load(key[0], embeds, positions, lens, tables)
+        if deepstack is not None:
+            n = deepstack.index.numel()
+            self.ds_index[:n].copy_(deepstack.index)
+            self.ds_index[n:].zero_()
+            self.ds_rows[:, n:].zero_()
+            for level, rows in enumerate(deepstack.embeds):
+                self.ds_rows[level, :n].copy_(rows)
         hidden, captured = self._forward(key) if self.graphs is None else self.graphs.replay(key)
         return hidden[:total], None if captured is None else captured[:total]
 
@@ -90,7 +108,9 @@ class PrefillGraphRunner:
             out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b])[0].index_select(0, last))
         return torch.cat(out)
 
-    def _capture(self, key: tuple[int, bool]) -> None:
+    def fits_deepstack(self, deepstack: Deepstack | None) -> bool:
+        return deepstack is None or len(deepstack.embeds) == self.ds_rows.shape[0] > 0
+    def _capture(self, key: Key) -> None:
         if self.graphs is not None and key not in self.graphs:
             self._load(key[0], self.embeds[:0], self.positions[:, :0], [], [])  # warm-up and capture: padding only
             self.graphs.capture(key, lambda: self._forward(key))
@@ -113,25 +133,29 @@ class PrefillGraphRunner:
         self.lens.copy_(seq_lens, non_blocking=True)
         self.tables.copy_(rows, non_blocking=True)
 
-    def _forward(self, key: tuple[int, bool]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        t = key[0]
+    def _forward(self, key: Key) -> tuple[torch.Tensor, torch.Tensor | None]:
+        t, capture, visual = key
+        ds = Deepstack(self.ds_index[:t], list(self.ds_rows[:, :t])) if visual else None
         ctx = ForwardContext(is_prefill=True, cu_seqlens_q=self.cu, cu_seqlens_k=self.cu, max_seqlen_q=t,
                              max_seqlen_k=t, context_lens=self.lens, slot_mapping=self.slots[:t],
                              block_tables=self.tables, block_size=self.block_size, kv_slots=self.slots[:t])
         with forward_context(ctx):
-            return self.forward(self.embeds[:t], self.positions[:, :t], key[1])
+            return self.forward(self.embeds[:t], self.positions[:, :t], capture, ds)
 
 
 def prefill_runner(model: torch.nn.Module, token_buckets: Sequence[int], max_seqs: int, block_size: int,
-                   scratch_block: int, capture_layer: int | None = None) -> PrefillGraphRunner | None:
+                   scratch_block: int, capture_layer: int | None = None, deepstack_levels: int = 0
+                   ) -> PrefillGraphRunner | None:
     """A runner for `model` (a `DecoderModel`) on its device and dtype, `capture_layer` the layer its capture
-    graphs output (see `DecoderModel.forward`); None without buckets."""
+    graphs output (see `DecoderModel.forward`), `deepstack_levels` its visual DeepStack levels; None without
+    buckets."""
     if not token_buckets:
         return None
     w = model.norm.weight
 
-    def forward(embeds: torch.Tensor, positions: torch.Tensor, capture: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        return model(embeds, positions, capture_layer if capture else None)
+    def forward(embeds: torch.Tensor, positions: torch.Tensor, capture: bool, deepstack: Deepstack | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        return model(embeds, positions, capture_layer if capture else None, deepstack)
 
     return PrefillGraphRunner(forward, w.numel(), w.dtype, w.device, token_buckets, max_seqs, block_size,
-                              scratch_block)
+                              scratch_block, deepstack_levels)

@@ -51,12 +51,12 @@ class ThinkerEagerStep:
 
     def _model(self, batch: list[tuple[ThinkerSeq, int]], rows: torch.Tensor, positions: torch.Tensor,
                capture: int | None, deepstack: Deepstack | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Path choice: fresh prompts without visual rows alone through the prefill graphs (with the
-        accept layer's rows where the talker needs them), anything else eagerly."""
+        """Path choice: fresh prompts alone through the prefill graphs (with the accept layer's rows where
+        the talker needs them, and their DeepStack rows), anything else eagerly."""
         lens, tables = [n for _, n in batch], [self.blocks.tables[s.req.request_id] for s, _ in batch]
-        if (self.prefill is not None and deepstack is None and self.prefill.fits(lens)
+        if (self.prefill is not None and self.prefill.fits_deepstack(deepstack) and self.prefill.fits(lens)
                 and all(s.num_computed == 0 for s, _ in batch)):
-            return self.prefill.run(rows, positions, lens, tables, capture is not None)
+            return self.prefill.run(rows, positions, lens, tables, capture is not None, deepstack)
         ctx = build_context([s.num_computed for s, _ in batch], lens, tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
             return self.thinker.model(rows, positions, capture, deepstack)

@@ -22,12 +22,12 @@ def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
 
 def take_prefix(blocks: BlockManager, seq: ThinkerSeq, graph_tokens: int) -> None:
     """Skip the prompt's cached prefix, once, before its first row is computed (one row at least is left:
-    it gives the first token). Not where a prefill graph takes the whole prompt (no visual rows, at most
-    `graph_tokens`; 0: no graphs): a graph over all of it costs less than an eager step over its new rows
-    (at full size ~100 ms of host time, whatever the rows)."""
+    it gives the first token). Not where a prefill graph takes the whole prompt (at most `graph_tokens`;
+    0: no graphs): a graph over all of it costs less than an eager step over its new rows (at full size
+    ~100 ms of host time, whatever the rows)."""
     if seq.block_hashes is None or seq.num_computed or seq.cached_blocks >= 0:
         return
-    if seq.deepstack is None and seq.prompt_len <= graph_tokens:
+    if seq.prompt_len <= graph_tokens:
         seq.cached_blocks = 0
         return
     taken = blocks.match(seq.req.request_id, seq.block_hashes, seq.prompt_len - 1)

@@ -60,7 +60,8 @@ class ThinkerStage(AsyncOutputStep):
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
                                              self.penalties)
             self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch,
-                                          config.talker_config.accept_hidden_layer)
+                                          config.talker_config.accept_hidden_layer,
+                                          len(config.thinker_config.vision_config.deepstack_visual_indexes))
         self.eager = ThinkerEagerStep(thinker, self.blocks, self.penalties, self.prefill,
                                       config.talker_config.accept_hidden_layer)
         self.prefix_caching = prefix_caching
