@@ -6,8 +6,14 @@ from __future__ import annotations
 import numpy as np
 from scipy.signal import resample_poly
 
-from omnistage.server.realtime.resample import Audio24k, StreamResampler, WindowedStream, push_many, ready, \
-    windows_many
+from omnistage.server.realtime.resample import (
+    Audio24k,
+    StreamResampler,
+    WindowedStream,
+    push_many,
+    ready,
+    windows_many,
+)
 
 
 def test_push_many_equals_each_stream_alone():

@@ -4,7 +4,7 @@ Each session's `TurnDetector` counts its 24 kHz pcm16 and hands it on once it co
 (512 samples at 16 kHz: 32 ms); the `VadEngine`'s worker resamples all streams' audio to 16 kHz in one call a
 tick, cuts the windows, keeps every detector's recurrent state and runs, at most once per window period, one
 model call on the oldest pending window of every detector that has one (N sessions: one call per 32 ms, not
-N). The event loop only counts samples and awaits futures. Turns follow OpenAI's server_vad with silero's hysteresis.
+N). The event loop only counts samples and awaits futures. Turns: turns.py.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from omnistage.server.realtime.resample import Audio24k, WindowedStream, ready, windows_many
+from omnistage.server.realtime.turns import RATE, ServerVad, TurnEvent, TurnState
 
 logger = logging.getLogger(__name__)
-RATE = 16000
 WINDOW = 512  # samples at 16 kHz: 32 ms
 CONTEXT = 64  # samples of the previous window silero prepends
 STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
@@ -31,24 +31,6 @@ STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
 # one (or sessions sending faster than real time) waits not at all.
 MAX_WAIT_S = WINDOW / RATE
 ACTIVE_S = 0.25  # longer than a client's usual append (20-200 ms), so sessions in real time count as fed lately
-NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
-
-
-@dataclass
-class ServerVad:
-    """A session's `turn_detection` settings (OpenAI `server_vad`)."""
-
-    threshold: float = 0.5
-    prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
-    create_response: bool = True
-    interrupt_response: bool = True
-
-
-@dataclass
-class TurnEvent:
-    type: str  # "speech_started" | "speech_stopped"
-    audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
 @dataclass(eq=False)
@@ -229,11 +211,11 @@ class TurnDetector:
         self._pcm: list[np.ndarray] = []  # 24 kHz, not yet handed on
         self._fed = 0  # 24 kHz samples fed
         self._clock = 0  # 16 kHz: where the next window starts
-        self._speaking = False
-        self._silence_from: int | None = None  # where the current silence began, while speaking
+        self._turns = TurnState(params)
 
     async def feed(self, pcm24k: np.ndarray) -> list[TurnEvent]:
-        """int16 mono 24 kHz, any length. NOTE: one feed at a time per detector (the session awaits each)."""
+        """int16 mono 24 kHz, any length (kept, not copied, until it completes a window). NOTE: one feed at
+        a time per detector (the session awaits each)."""
         self._pcm.append(pcm24k)
         self._fed += pcm24k.size
         n = (ready(self._fed) - self._clock) // WINDOW
@@ -241,32 +223,13 @@ class TurnDetector:
             return []
         start, self._clock = self._clock, self._clock + n * WINDOW
         audio, self._pcm = Audio24k(np.concatenate(self._pcm), start, n), []
+        ends = range(start + WINDOW, self._clock + 1, WINDOW)
         probs = await self.engine.submit(self._stream, audio)
-        return [e for i, p in enumerate(probs) if (e := self._turn(start + i * WINDOW, p)) is not None]
+        return [e for end, p in zip(ends, probs) if (e := self._turns.step(end - WINDOW, end, p)) is not None]
 
     def reset(self) -> None:
         """Forget the speech state: model state, a turn in progress, audio not yet scored. The clock runs
         on."""
         self.engine.drop(self._stream)
         self._clock = ready(self._fed)
-        self._speaking, self._silence_from = False, None
-
-    def _turn(self, start: int, prob: float) -> TurnEvent | None:
-        """One window's probability (the window starts at 16 kHz sample `start`) through the turn state."""
-        p = self.params
-        if prob >= p.threshold:
-            self._silence_from = None
-            if not self._speaking:
-                self._speaking = True
-                return TurnEvent("speech_started", max(0, _ms(start) - p.prefix_padding_ms))
-        elif self._speaking and prob < max(p.threshold - NEG_THRESHOLD_GAP, 0.01):
-            if self._silence_from is None:
-                self._silence_from = start
-            if _ms(start + WINDOW - self._silence_from) >= p.silence_duration_ms:  # heard the whole silence
-                end, self._speaking, self._silence_from = _ms(self._silence_from), False, None
-                return TurnEvent("speech_stopped", end)
-        return None
-
-
-def _ms(samples: int) -> int:
-    return samples * 1000 // RATE
+        self._turns = TurnState(self.params)
