@@ -188,3 +188,29 @@ def test_a_failed_call_fails_its_feeds_only(monkeypatch):
         eng.close()
     with pytest.raises(RuntimeError, match="closed"):
         run(eng.detector(ServerVad()).feed(spoken(0.1)))
+
+
+
+def test_reset_with_audio_the_worker_has_not_seen(engine):
+    """A reset while a feed's audio waits for the worker: that audio still counts (the clock and the 16 kHz
+    stream run on), as when the worker had scored it first."""
+    async def rest(det):
+        return [e for p in pieces(spoken(0.3, "question_2s", 1.0), 8, 480, 961) for e in await det.feed(p)]
+
+    async def reset_first():
+        det = engine.detector(ServerVad())
+        with engine._cond:  # NOTE: the worker cannot take the feed's job before the reset
+            feed = asyncio.ensure_future(det.feed(spoken(0.5)))
+            await asyncio.sleep(0)
+            det.reset()
+        assert await feed == []
+        return await rest(det)
+
+    async def scored_first():
+        det = engine.detector(ServerVad())
+        await det.feed(spoken(0.5))
+        det.reset()
+        return await rest(det)
+
+    early, late = run(reset_first()), run(scored_first())
+    assert [e.type for e in early] == ["speech_started", "speech_stopped"] and early == late

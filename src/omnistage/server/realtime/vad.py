@@ -1,9 +1,10 @@
 """Server VAD: silero-vad on every session's incoming audio, batched across sessions in one worker thread.
 
-Each session's `TurnDetector` resamples its 24 kHz pcm16 to 16 kHz and cuts it into silero's 512-sample
-(32 ms) windows; the `VadEngine` keeps every detector's recurrent state and runs, at most once per window
-period, one model call on the oldest pending window of every detector that has one (N sessions: one call per
-32 ms, not N). The event loop only awaits futures. Turns follow OpenAI's server_vad with silero's hysteresis.
+Each session's `TurnDetector` counts its 24 kHz pcm16 and hands it on once it completes a silero window
+(512 samples at 16 kHz: 32 ms); the `VadEngine`'s worker resamples all streams' audio to 16 kHz in one call a
+tick, cuts the windows, keeps every detector's recurrent state and runs, at most once per window period, one
+model call on the oldest pending window of every detector that has one (N sessions: one call per 32 ms, not
+N). The event loop only counts samples and awaits futures. Turns: turns.py.
 """
 
 from __future__ import annotations
@@ -18,10 +19,10 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from omnistage.server.realtime.resample import StreamResampler
+from omnistage.server.realtime.resample import Audio24k, WindowedStream, ready, windows_many
+from omnistage.server.realtime.turns import RATE, ServerVad, TurnEvent, TurnState
 
 logger = logging.getLogger(__name__)
-RATE = 16000
 WINDOW = 512  # samples at 16 kHz: 32 ms
 CONTEXT = 64  # samples of the previous window silero prepends
 STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
@@ -30,29 +31,12 @@ STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
 # one (or sessions sending faster than real time) waits not at all.
 MAX_WAIT_S = WINDOW / RATE
 ACTIVE_S = 0.25  # longer than a client's usual append (20-200 ms), so sessions in real time count as fed lately
-NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
-
-
-@dataclass
-class ServerVad:
-    """A session's `turn_detection` settings (OpenAI `server_vad`)."""
-
-    threshold: float = 0.5
-    prefix_padding_ms: int = 300
-    silence_duration_ms: int = 500
-    create_response: bool = True
-    interrupt_response: bool = True
-
-
-@dataclass
-class TurnEvent:
-    type: str  # "speech_started" | "speech_stopped"
-    audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
 @dataclass(eq=False)
 class _Job:
     windows: list[np.ndarray]
+    audio: Audio24k | None  # not yet resampled into `windows`
     future: asyncio.Future
     loop: asyncio.AbstractEventLoop
     submitted: float = field(default_factory=time.monotonic)
@@ -66,22 +50,30 @@ class _Stream:
     jobs: deque[_Job] = field(default_factory=deque)
     context: torch.Tensor = field(default_factory=lambda: torch.zeros(CONTEXT))
     state: torch.Tensor = field(default_factory=lambda: torch.zeros(STATE_SHAPE))
+    audio: WindowedStream = field(default_factory=WindowedStream)
 
 
-def _resolve(job: _Job, probs: list[float] | BaseException) -> None:
-    """Hand a job's probabilities (or the worker's failure) to its feed, on the feed's event loop."""
-    def done() -> None:
-        if job.future.done():  # NOTE: the feeding task may have been cancelled meanwhile
-            return
-        if isinstance(probs, BaseException):
-            job.future.set_exception(probs)
-        else:
-            job.future.set_result(probs)
+def _resolve(jobs: list[_Job], result: list[float] | BaseException | None = None) -> None:
+    """Hand jobs their probabilities (or `result`: the worker's failure, or nothing) on their feeds' event
+    loops, one wakeup per loop."""
+    def done(jobs: list[_Job]) -> None:
+        for job in jobs:
+            if job.future.done():  # NOTE: the feeding task may have been cancelled meanwhile
+                continue
+            probs = job.probs if result is None else result
+            if isinstance(probs, BaseException):
+                job.future.set_exception(probs)
+            else:
+                job.future.set_result(probs)
 
-    try:
-        job.loop.call_soon_threadsafe(done)
-    except RuntimeError:  # NOTE: that loop is closed: nobody waits any more
-        pass
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+    for job in jobs:
+        by_loop.setdefault(job.loop, []).append(job)
+    for loop, its in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(done, its)
+        except RuntimeError:  # NOTE: that loop is closed: nobody waits any more
+            pass
 
 
 class VadEngine:
@@ -105,26 +97,42 @@ class VadEngine:
             self._cond.notify()
         self._thread.join()
 
-    def submit(self, stream: _Stream, windows: list[np.ndarray]) -> asyncio.Future:
+    def submit(self, stream: _Stream, windows: list[np.ndarray] | Audio24k) -> asyncio.Future:
+        """A future of the windows' probabilities: 16 kHz windows, or 24 kHz audio to cut them from."""
         loop = asyncio.get_running_loop()
-        job = _Job(windows, loop.create_future(), loop)
+        audio = windows if isinstance(windows, Audio24k) else None
+        job = _Job([] if audio else windows, audio, loop.create_future(), loop)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the VAD engine is closed")
+            idle = not self._pending
             stream.jobs.append(job)
             self._pending.setdefault(stream)
             self._fed_at[stream] = job.submitted
-            self._cond.notify()
+            if idle or len(self._pending) >= len(self._fed_at):  # NOTE: else the worker's wait times out
+                self._cond.notify()
         return job.future
 
     def drop(self, stream: _Stream) -> None:
         """Forget a stream's pending windows (their feeds see no probabilities) and its recurrent state."""
         with self._cond:
-            for job in stream.jobs:
-                _resolve(job, [])
-            stream.jobs.clear()
+            self._clear(stream, [])
             self._pending.pop(stream, None)
             stream.context, stream.state = torch.zeros(CONTEXT), torch.zeros(STATE_SHAPE)
+
+    def _clear(self, stream: _Stream, result: list[float] | BaseException) -> None:
+        """Resolve a stream's jobs with `result`; their audio still goes through its resampler."""
+        for job in stream.jobs:
+            self._resample([(stream, job)])
+        _resolve(list(stream.jobs), result)
+        stream.jobs.clear()
+
+    @staticmethod
+    def _resample(jobs: list[tuple[_Stream, _Job]]) -> None:
+        """Cut the windows of jobs that bring 24 kHz audio (one job a stream), all streams in one call."""
+        todo = [(s, j) for s, j in jobs if j.audio is not None]
+        for (_, job), windows in zip(todo, windows_many([(s.audio, j.audio) for s, j in todo], WINDOW)):
+            job.windows, job.audio = windows, None
 
     def _run(self) -> None:
         # NOTE: importing silero_vad calls torch.set_num_threads(1); with OpenMP that binds this thread only.
@@ -133,9 +141,11 @@ class VadEngine:
 
         model = load_silero_vad()._model  # the stateless core: (context + window, state) -> (prob, state)
         while self._gather():
-            with self._cond:
-                tick = {stream.jobs[0] for stream in self._pending}  # NOTE: later arrivals wait for the next tick
             try:
+                with self._cond:
+                    heads = [(stream, stream.jobs[0]) for stream in self._pending]
+                    self._resample(heads)
+                tick = {job for _, job in heads}  # NOTE: later arrivals wait for the next tick
                 while self._step(model, tick):
                     pass
             except Exception as e:  # NOTE: fail the feeds waiting now; the worker lives on for later ones
@@ -146,9 +156,7 @@ class VadEngine:
     def _resolve_pending(self, result: list[float] | BaseException) -> None:
         with self._cond:
             for stream in self._pending:
-                for job in stream.jobs:
-                    _resolve(job, result)
-                stream.jobs.clear()
+                self._clear(stream, result)
             self._pending.clear()
 
     def _gather(self) -> bool:
@@ -180,17 +188,17 @@ class VadEngine:
         with torch.inference_mode():
             prob, state = model(x, state)
         with self._cond:
-            outs = zip(batch, prob[:, 0].tolist(), x[:, -CONTEXT:], state.unbind(1))
+            outs, done = zip(batch, prob[:, 0].tolist(), x[:, -CONTEXT:], state.unbind(1)), []
             for (stream, job), p, ctx, st in outs:
                 if not stream.jobs or stream.jobs[0] is not job:
                     continue  # dropped while the call ran
                 stream.context, stream.state = ctx, st
                 job.probs.append(p)
                 if len(job.probs) == len(job.windows):
-                    _resolve(job, job.probs)
-                    stream.jobs.popleft()
+                    done.append(stream.jobs.popleft())
                     if not stream.jobs:
                         del self._pending[stream]
+            _resolve(done)
         return True
 
 
@@ -200,48 +208,28 @@ class TurnDetector:
     def __init__(self, engine: VadEngine, params: ServerVad) -> None:
         self.engine, self.params = engine, params
         self._stream = _Stream()
-        self._resampler = StreamResampler()
-        self._samples = np.zeros(0, dtype=np.float32)  # 16 kHz, not yet a whole window
-        self._clock = 0  # 16 kHz samples before self._samples
-        self._speaking = False
-        self._silence_from: int | None = None  # where the current silence began, while speaking
+        self._pcm: list[np.ndarray] = []  # 24 kHz, not yet handed on
+        self._fed = 0  # 24 kHz samples fed
+        self._clock = 0  # 16 kHz: where the next window starts
+        self._turns = TurnState(params)
 
     async def feed(self, pcm24k: np.ndarray) -> list[TurnEvent]:
-        """int16 mono 24 kHz, any length. NOTE: one feed at a time per detector (the session awaits each)."""
-        new = self._resampler.push(pcm24k.astype(np.float32) / 32768.0)
-        self._samples = np.concatenate([self._samples, new])
-        n = self._samples.size // WINDOW
-        if not n:
+        """int16 mono 24 kHz, any length (kept, not copied, until it completes a window). NOTE: one feed at
+        a time per detector (the session awaits each)."""
+        self._pcm.append(pcm24k)
+        self._fed += pcm24k.size
+        n = (ready(self._fed) - self._clock) // WINDOW
+        if n <= 0:
             return []
-        windows = [self._samples[i * WINDOW:(i + 1) * WINDOW] for i in range(n)]
-        start = self._clock
-        self._samples, self._clock = self._samples[n * WINDOW:], start + n * WINDOW
-        probs = await self.engine.submit(self._stream, windows)
-        return [e for i, p in enumerate(probs) if (e := self._turn(start + i * WINDOW, p)) is not None]
+        start, self._clock = self._clock, self._clock + n * WINDOW
+        audio, self._pcm = Audio24k(np.concatenate(self._pcm), start, n), []
+        ends = range(start + WINDOW, self._clock + 1, WINDOW)
+        probs = await self.engine.submit(self._stream, audio)
+        return [e for end, p in zip(ends, probs) if (e := self._turns.step(end - WINDOW, end, p)) is not None]
 
     def reset(self) -> None:
         """Forget the speech state: model state, a turn in progress, audio not yet scored. The clock runs
         on."""
         self.engine.drop(self._stream)
-        self._samples, self._clock = self._samples[:0], self._clock + self._samples.size
-        self._speaking, self._silence_from = False, None
-
-    def _turn(self, start: int, prob: float) -> TurnEvent | None:
-        """One window's probability (the window starts at 16 kHz sample `start`) through the turn state."""
-        p = self.params
-        if prob >= p.threshold:
-            self._silence_from = None
-            if not self._speaking:
-                self._speaking = True
-                return TurnEvent("speech_started", max(0, _ms(start) - p.prefix_padding_ms))
-        elif self._speaking and prob < max(p.threshold - NEG_THRESHOLD_GAP, 0.01):
-            if self._silence_from is None:
-                self._silence_from = start
-            if _ms(start + WINDOW - self._silence_from) >= p.silence_duration_ms:  # heard the whole silence
-                end, self._speaking, self._silence_from = _ms(self._silence_from), False, None
-                return TurnEvent("speech_stopped", end)
-        return None
-
-
-def _ms(samples: int) -> int:
-    return samples * 1000 // RATE
+        self._clock = ready(self._fed)
+        self._turns = TurnState(self.params)

@@ -1,0 +1,55 @@
+"""OpenAI server_vad turns from silero's per-window speech probabilities, with silero's hysteresis (as its
+VADIterator / get_speech_timestamps)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+RATE = 16000  # the probabilities' windows are counted in 16 kHz samples
+NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
+
+
+@dataclass
+class ServerVad:
+    """A session's `turn_detection` settings (OpenAI `server_vad`)."""
+
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    create_response: bool = True
+    interrupt_response: bool = True
+
+
+@dataclass
+class TurnEvent:
+    type: str  # "speech_started" | "speech_stopped"
+    audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
+
+
+class TurnState:
+    """Whether someone speaks, window by window."""
+
+    def __init__(self, params: ServerVad) -> None:
+        self.params = params
+        self._speaking = False
+        self._silence_from: int | None = None  # where the current silence began, while speaking
+
+    def step(self, start: int, end: int, prob: float) -> TurnEvent | None:
+        """One window's probability (the window spans 16 kHz samples [start, end)) through the turn state."""
+        p = self.params
+        if prob >= p.threshold:
+            self._silence_from = None
+            if not self._speaking:
+                self._speaking = True
+                return TurnEvent("speech_started", max(0, _ms(start) - p.prefix_padding_ms))
+        elif self._speaking and prob < max(p.threshold - NEG_THRESHOLD_GAP, 0.01):
+            if self._silence_from is None:
+                self._silence_from = start
+            if _ms(end - self._silence_from) >= p.silence_duration_ms:  # heard the whole silence
+                end, self._speaking, self._silence_from = _ms(self._silence_from), False, None
+                return TurnEvent("speech_stopped", end)
+        return None
+
+
+def _ms(samples: int) -> int:
+    return samples * 1000 // RATE
