@@ -282,37 +282,3 @@ def test_dropped_streams_are_aborted_in_every_stage_within_a_step():
         assert s["active"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
     assert not o.requests and engine.admission.requests == engine.admission.tokens == 0
     engine.shutdown()
-
-
-def test_a_fault_in_one_requests_encoding_fails_only_that_request(shared, monkeypatch):
-    """Media are encoded on the encoder worker's thread (thinker/encoder_worker.py): requests queued together
-    are encoded together; where that raises, each alone, and only the one at fault fails."""
-    from mm_samples import tone
-
-    stage = shared.engine.thinker
-    worker = next(w for w in shared.engine.workers if w.stage is stage)
-    real, calls = stage.encoders._media, []
-
-    def media(reqs):
-        calls.append([r.request_id for r in reqs])
-        if any(r.request_id == "bad" for r in reqs):
-            raise ValueError("injected")
-        return real(reqs)
-
-    monkeypatch.setattr(stage.encoders, "_media", media)
-    results = {rid: ChatResult() for rid in ("good", "bad", "also")}
-    reqs = [shared.engine.make_request(rid, [{"role": "user", "content": [{"type": "audio", "audio": tone(0.5 + i)},
-                                                                         f"Say {rid}."]}], None, want_audio=True,
-                                       voice="Ethan", emit=results[rid].add, **SAMPLING)
-            for i, rid in enumerate(results)]
-    failed_before = worker.failed_requests
-    for req in reqs:
-        shared.engine.add_request(req)
-    deadline = time.monotonic() + 30
-    while any(r.finish_reason is None for r in results.values()) and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert results["bad"].finish_reason == "error" and worker.failed_requests == failed_before + 1
-    assert_complete(results["good"])
-    assert_complete(results["also"])
-    assert ["bad"] in calls and shared.engine.error is None
-    assert_all_free(shared)

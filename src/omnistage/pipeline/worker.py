@@ -48,8 +48,6 @@ class StageWorker:
         self._stop = True
         self.wake.set()
         self._thread.join(timeout=10)
-        if (close := getattr(self.stage, "close", None)) is not None:
-            close()
 
     def abort(self, request_id: str) -> None:
         self.controls.put(request_id)

@@ -114,7 +114,7 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                              cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
                              prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output,
                              prefix_caching=p.deploy.enable_prefix_caching,
-                             encoder_cache_bytes=p.deploy.encoder_cache_mb << 20, encoder_worker=True)
+                             encoder_cache_bytes=p.deploy.encoder_cache_mb << 20)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
                             num_blocks=num_blocks, block_size=sc.block_size,

@@ -22,7 +22,6 @@ from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
-from omnistage.pipeline.thinker.encoder_worker import Encoded, EncoderWorker, has_media
 from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix, take_prefix
@@ -38,15 +37,14 @@ class ThinkerStage(AsyncOutputStep):
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
-                 encoder_cache_bytes: int = 0, encoder_worker: bool = False) -> None:
+                 encoder_cache_bytes: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh text prompts through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
         padding rows.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
-        again for the accept-layer rows kept beside cached prefix blocks. `encoder_worker`: requests with
-        media are encoded on their own thread and stream (thinker/encoder_worker.py), not between steps."""
+        again for the accept-layer rows kept beside cached prefix blocks."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -71,8 +69,7 @@ class ThinkerStage(AsyncOutputStep):
         self.encoder_cache = EncoderCache(encoder_cache_bytes) if encoder_cache_bytes > 0 else None
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
-        self.inbox: Inbox[Request | PromptPiece | Encoded] = Inbox()
-        self.encoders = EncoderWorker(thinker, self.encoder_cache, self.inbox.put) if encoder_worker else None
+        self.inbox: Inbox[Request | PromptPiece] = Inbox()
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
@@ -85,15 +82,8 @@ class ThinkerStage(AsyncOutputStep):
 
     def add(self, item: Request | PromptPiece) -> None:
         """A request, or more prompt for a growing one (applied in arrival order, after the requests
-        that arrived with it); a request with media (not a growing one) through the encoder worker first."""
-        if self.encoders is not None and isinstance(item, Request) and has_media(item) and not item.growing:
-            self.encoders.add(item)
-        else:
-            self.inbox.put(item)
-
-    def close(self) -> None:
-        if self.encoders is not None:
-            self.encoders.close()
+        that arrived with it)."""
+        self.inbox.put(item)
 
     def abort(self, request_id: str) -> None:
         for seq in [*self.waiting, *self.running]:
@@ -112,14 +102,6 @@ class ThinkerStage(AsyncOutputStep):
         if self.prefix_caching:
             seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
         return seq
-
-    def _admit_encoded(self, item: Encoded) -> None:
-        if item.error is not None:
-            self.faults.run(item.request, _raise, item.error)
-            return
-        item.wait()
-        if (seq := self.faults.run(item.request, self._admit, item.request, item.media)) is not None:
-            self.waiting.append(seq)
 
     def _grow(self, piece: PromptPiece) -> None:
         seq = next((s for s in [*self.waiting, *self.running] if s.req is piece.request), None)
@@ -152,9 +134,6 @@ class ThinkerStage(AsyncOutputStep):
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
-        for item in items:
-            if isinstance(item, Encoded) and not item.request.aborted:
-                self._admit_encoded(item)
         for piece in items:
             if isinstance(piece, PromptPiece) and not piece.request.aborted:
                 self.faults.run(piece.request, self._grow, piece)
@@ -246,7 +225,3 @@ class ThinkerStage(AsyncOutputStep):
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-
-
-def _raise(error: Exception) -> None:
-    raise error
