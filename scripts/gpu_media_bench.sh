@@ -18,20 +18,9 @@
 # Other knobs: BENCH_WORKLOADS (the media workloads, space-separated), BENCH_SEED, BENCH_PORT, BENCH_STAGE_OVERRIDES.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${BENCH_PYTHON:-python3}
-T0=$SECONDS
-BUDGET=${BENCH_BUDGET:-540}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/bench.log") 2>&1
-. scripts/device_env.sh
+DEFAULT_BUDGET=540
+. scripts/bench_start.sh
 "$PY" -c "import av" 2>/dev/null || echo "no PyAV (av): the video rows will fail; carry its wheel (gpu_bench.sh prepare)"
-MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
-"$PY" scripts/bench_model_dir.py "$MODEL" ${BENCH_PRESET:+--preset "$BENCH_PRESET"} || exit 1
-PORT=${BENCH_PORT:-8091}
-URL=http://127.0.0.1:$PORT
-. scripts/bench_server.sh
 start_main_server || exit 1  # no server: spend no more device time
 
 COMMON=(--base-url "$URL" --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}" --output-dir "$OUT"

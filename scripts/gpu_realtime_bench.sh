@@ -13,19 +13,8 @@
 #   BENCH_CHAT_PROMPTS=4 BENCH_PYTHON=/work/main/.venv/bin/python OUT=/tmp/rtbench scripts/gpu_realtime_bench.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${BENCH_PYTHON:-python3}
-T0=$SECONDS
-BUDGET=${BENCH_BUDGET:-500}
-left() { echo $((BUDGET - (SECONDS - T0))); }
-OUT=${OUT:-$PWD/bench-out}
-mkdir -p "$OUT"
-exec > >(tee -a "$OUT/bench.log") 2>&1
-. scripts/device_env.sh
-MODEL=/tmp/omnistage-bench-model${BENCH_PRESET:+-$BENCH_PRESET}
-"$PY" scripts/bench_model_dir.py "$MODEL" ${BENCH_PRESET:+--preset "$BENCH_PRESET"} || exit 1
-PORT=${BENCH_PORT:-8091}
-URL=http://127.0.0.1:$PORT
-. scripts/bench_server.sh
+DEFAULT_BUDGET=500
+. scripts/bench_start.sh
 start_main_server || exit 1  # no server: spend no more device time
 
 SESSIONS=${BENCH_SESSIONS:-1,32}
