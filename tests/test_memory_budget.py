@@ -225,8 +225,9 @@ def test_the_cuda_sizing_steps_with_the_device_memory_faked(tiny_dir, monkeypatc
     make = recording_make()
     built, weights, per_block = faked_cuda(tiny_dir, monkeypatch, make)
     calls = make.calls
-    # provisional: the largest request (4096 + 2048 tokens; 4096 + 9 + 4096 rows) + the padding block, + 1
-    assert calls[:3] == [("thinker", 386), ("talker", 515), ("code2wav", 0)]
+    # provisional: the thinker's widest decode graph (512 blocks, wider than its largest request: 4096 + 2048
+    # tokens, 384 blocks), the talker's largest request (4096 + 9 + 4096 rows, 513 blocks); + the padding block
+    assert calls[:3] == [("thinker", 513), ("talker", 515), ("code2wav", 0)]
     rest = 4 * GiB - weights - 110 * MiB - 2 * 512 * MiB  # and the thinker's caches beside it (encoder_cache_mb)
     assert calls[3:] == [("thinker", int(rest * 0.8) // per_block["thinker"]),
                          ("talker", int(rest * 0.2) // per_block["talker"]), ("code2wav", 0)]
