@@ -1,7 +1,7 @@
 """Which of code2wav's convolutions cost what on the GPU: one streaming chunk step (a later chunk, fast path) of
 the full-size Code2Wav with random weights under the profiler, conv ops grouped by input shape, most GPU time
 first, then every conv layer's shape, dilation and groups. It named the conv that cuDNN runs with its generic
-`implicit_convolve_sgemm` (BENCHMARKS.md, seventh session).
+`implicit_convolve_sgemm` (benchmarks/HISTORY.md, seventh session).
 
 usage: python scripts/code2wav_convs.py [--batch 16] [--frames 25]
 """

@@ -145,8 +145,8 @@ class DeployConfig:
     `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
     processes hold (pipeline/placement/memory.py), as vLLM's flag of that name.
     `realtime_streaming_input`: a realtime spoken turn (server VAD) is encoded and prefilled while the user
-    speaks (`AsyncOmni.open_request`); False (default: slower on the H200 so far, BENCHMARKS.md): only once
-    it is committed.
+    speaks (`AsyncOmni.open_request`); False (default: slower on the H200 so far, benchmarks/HISTORY.md): only
+    once it is committed.
     `enable_prefix_caching`: the thinker keeps computed prompt blocks for later prompts with the same
     prefix (vLLM's flag); `encoder_cache_mb`: MiB of encoder rows kept per thinker for media sent again
     (0: none); both count against the device's memory budget as activations do.

@@ -10,8 +10,8 @@ at most 2x the gather + SDPA work (and transient memory) of the batch's longest 
 deploy config's `cuda_graph_capture_widths` are captured at start; any other pair on the first step that needs it, so only the pairs a workload reaches exist: at most
 ceil(log2(max width)) + 1 per batch bucket (P prompt rows + F frames need widths up to
 ceil((P + F) / block_size)). A lazy capture pays one eager warm-up step plus the capture (0.2-0.4 s for
-the talker's frame step at full size on the H200, BENCHMARKS.md), and `torch.cuda.graph` synchronizes the
-device and empties the allocator's cache, stalling the other stages once. Every capture is logged with
+the talker's frame step at full size on the H200, benchmarks/HISTORY.md), and `torch.cuda.graph` synchronizes
+the device and empties the allocator's cache, stalling the other stages once. Every capture is logged with
 its time and the growth of the reserved memory.
 """
 

@@ -3,7 +3,8 @@
 Each kernel replaces a chain of eager ops and rounds exactly where the eager chain does (every bf16 op
 of torch computes in fp32 and rounds its result), so the only difference from the reference is the
 order of the RMSNorm sum. The talker's frame step (15 code-predictor passes of 5 layers) is bound by
-kernel launches, not bytes: with these kernels it went from 21.1 to 11.7 ms at batch 1 (BENCHMARKS.md).
+kernel launches, not bytes: with these kernels it went from 21.1 to 11.7 ms at batch 1
+(benchmarks/HISTORY.md).
 - RMSNorm kernels (+ RoPE for the q/k norms): `layers.triton_norm`.
 - `snake_beta(x, alpha, beta, bias, out)`: code2wav's SnakeBeta, one pass instead of five over the largest tensors,
   with the preceding conv's bias add folded in, reading and writing strided views (`code2wav_fused`).
