@@ -39,7 +39,7 @@ class ThinkerStage(AsyncOutputStep):
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
                  encoder_cache_bytes: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
-        chunks of the same step beside them: fresh text prompts through `PrefillGraphRunner` when
+        chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
         padding rows.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
