@@ -6,77 +6,24 @@ Errors name the key path: "stages.talker.max_batch_size: must be a positive inte
 
 from __future__ import annotations
 
-import copy
 import json
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from omnistage.utils import deep_merge
+from omnistage import config_rules as r
 from omnistage.platform import PLATFORMS, detect_platform, platform_from_name
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
+from omnistage.utils import deep_merge
 
 DEPLOY_DIR = Path(__file__).parent / "deploy"
 STAGE_NAMES = ("thinker", "talker", "code2wav")
-DTYPES = ("bfloat16", "float16", "float32")
-PLACEMENTS = ("local", "ray")
 
 
 class ConfigError(ValueError):
     """A deploy config problem; the message starts with the offending key path."""
-
-
-def _rule(ok: Callable[[Any], bool], why: str, convert: Callable[[Any], Any] = copy.deepcopy) -> Callable:
-    def check(v: Any) -> Any:
-        if not ok(v):
-            raise ValueError(why)
-        return convert(v)
-    return check
-
-
-def _is_int(v: Any, minimum: int) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= minimum
-
-
-def _is_memory(v: Any) -> bool:
-    if isinstance(v, bool) or not isinstance(v, (int, float)):
-        return False
-    return 0 < v <= 1 or (v > 1 and float(v).is_integer())
-
-
-_positive_int = _rule(lambda v: _is_int(v, 1), "must be a positive integer")
-_non_negative_int = _rule(lambda v: _is_int(v, 0), "must be an integer >= 0")
-_bool = _rule(lambda v: isinstance(v, bool), "must be true or false")
-_mm_limits = _rule(lambda v: isinstance(v, dict) and set(v) <= {"image", "video"} and all(
-    isinstance(d, dict) and set(d) <= {"min_pixels", "max_pixels", "total_pixels"} and all(
-        _is_int(x, 1) for x in d.values()) for d in v.values()),
-    'must be {"image" / "video": {"min_pixels" / "max_pixels" / "total_pixels": positive integer}}')
-_devices = _rule(lambda v: isinstance(v, (list, tuple)) and len(v) > 0 and all(_is_int(x, 0) for x in v),
-                 "must be a non-empty list of device indices >= 0", tuple)
-_sizes = _rule(lambda v: isinstance(v, (list, tuple)) and all(_is_int(x, 1) for x in v),
-               "must be a list of positive integers", tuple)
-_memory = _rule(_is_memory, "must be a fraction in (0, 1] of device memory or a whole number of bytes",
-                lambda v: int(v) if v > 1 else v)
-_dtype = _rule(lambda v: v in DTYPES, f"must be one of {', '.join(DTYPES)}")
-_mapping = _rule(lambda v: isinstance(v, dict), "must be a mapping")
-_priority = _rule(lambda v: isinstance(v, int) and not isinstance(v, bool) and -5 <= v <= 0,
-                  "must be an integer in [-5, 0] (lower runs first)")
-_interval = _rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 100,
-                  "must be a number of milliseconds in (0, 100]", float)
-_utilization = _rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
-                     "must be a fraction in (0, 1] of each device's memory", float)
-_placement = _rule(lambda v: v in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}")
-
-
-def _opt(default: Any, check: Callable[[Any], Any]) -> Any:
-    return field(default=default, metadata={"check": check})
-
-
-def _sub(cls: type) -> Any:
-    return field(default_factory=cls, metadata={"config": cls})
 
 
 @dataclass(frozen=True)
@@ -88,19 +35,19 @@ class StageConfig:
     stream priority of its steps (stages share a GPU); `sampling`: default fields of SamplingParams
     (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
 
-    devices: tuple[int, ...] = _opt((0,), _devices)
-    replicas: int = _opt(1, _positive_int)
-    max_batch_size: int = _opt(64, _positive_int)
-    max_num_batched_tokens: int = _opt(8192, _positive_int)
-    kv_cache_memory: float | int = _opt(0.1, _memory)
-    block_size: int = _opt(16, _positive_int)
-    cuda_graph: bool = _opt(False, _bool)
-    cuda_graph_batch_sizes: tuple[int, ...] = _opt((), _sizes)
-    cuda_graph_capture_widths: tuple[int, ...] = _opt((), _sizes)  # KV blocks per row captured at start
-    cuda_graph_prefill_tokens: tuple[int, ...] = _opt((), _sizes)  # token buckets of fresh-prompt prefill graphs
-    dtype: str = _opt("bfloat16", _dtype)
-    stream_priority: int = _opt(0, _priority)  # CUDA stream priority of the stage's worker
-    sampling: dict = field(default_factory=dict, metadata={"check": _mapping})
+    devices: tuple[int, ...] = r.opt((0,), r.devices)
+    replicas: int = r.opt(1, r.positive_int)
+    max_batch_size: int = r.opt(64, r.positive_int)
+    max_num_batched_tokens: int = r.opt(8192, r.positive_int)
+    kv_cache_memory: float | int = r.opt(0.1, r.memory)
+    block_size: int = r.opt(16, r.positive_int)
+    cuda_graph: bool = r.opt(False, r.boolean)
+    cuda_graph_batch_sizes: tuple[int, ...] = r.opt((), r.sizes)
+    cuda_graph_capture_widths: tuple[int, ...] = r.opt((), r.sizes)  # KV blocks per row captured at start
+    cuda_graph_prefill_tokens: tuple[int, ...] = r.opt((), r.sizes)  # token buckets of fresh-prompt prefill graphs
+    dtype: str = r.opt("bfloat16", r.dtype)
+    stream_priority: int = r.opt(0, r.priority)  # CUDA stream priority of the stage's worker
+    sampling: dict = field(default_factory=dict, metadata={"check": r.mapping})
 
     @property
     def replica_devices(self) -> tuple[int, ...]:
@@ -120,16 +67,16 @@ class ConnectorConfig:
     `codec_chunk_growth`: each later packet as long as all the audio before it, up to the cap, so playback
     never starves (False: every later packet `codec_chunk_frames`)."""
 
-    initial_codec_chunk_frames: int = _opt(4, _positive_int)
-    codec_chunk_frames: int = _opt(25, _positive_int)
-    codec_chunk_growth: bool = _opt(True, _bool)
+    initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
+    codec_chunk_frames: int = r.opt(25, r.positive_int)
+    codec_chunk_growth: bool = r.opt(True, r.boolean)
 
 
 @dataclass(frozen=True)
 class Stages:
-    thinker: StageConfig = _sub(StageConfig)
-    talker: StageConfig = _sub(StageConfig)
-    code2wav: StageConfig = _sub(StageConfig)
+    thinker: StageConfig = r.sub(StageConfig)
+    talker: StageConfig = r.sub(StageConfig)
+    code2wav: StageConfig = r.sub(StageConfig)
 
 
 @dataclass(frozen=True)
@@ -154,20 +101,20 @@ class DeployConfig:
     "max_pixels", "total_pixels"}}; requests' own knobs apply within them): by default an image is at most
     1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844)."""
 
-    stages: Stages = _sub(Stages)
-    connector: ConnectorConfig = _sub(ConnectorConfig)
-    async_chunk: bool = _opt(True, _bool)
-    async_output: bool = _opt(True, _bool)
-    max_waiting_requests: int = _opt(256, _positive_int)
-    max_waiting_tokens: int = _opt(262144, _positive_int)
-    placement: str = _opt("local", _placement)
-    switch_interval_ms: float = _opt(5.0, _interval)
-    gpu_memory_utilization: float = _opt(0.9, _utilization)
-    realtime_streaming_input: bool = _opt(False, _bool)
-    enable_prefix_caching: bool = _opt(True, _bool)
-    encoder_cache_mb: int = _opt(512, _non_negative_int)
+    stages: Stages = r.sub(Stages)
+    connector: ConnectorConfig = r.sub(ConnectorConfig)
+    async_chunk: bool = r.opt(True, r.boolean)
+    async_output: bool = r.opt(True, r.boolean)
+    max_waiting_requests: int = r.opt(256, r.positive_int)
+    max_waiting_tokens: int = r.opt(262144, r.positive_int)
+    placement: str = r.opt("local", r.placement)
+    switch_interval_ms: float = r.opt(5.0, r.interval)
+    gpu_memory_utilization: float = r.opt(0.9, r.utilization)
+    realtime_streaming_input: bool = r.opt(False, r.boolean)
+    enable_prefix_caching: bool = r.opt(True, r.boolean)
+    encoder_cache_mb: int = r.opt(512, r.non_negative_int)
     mm_processor_kwargs: dict = field(default_factory=lambda: {"image": {"max_pixels": 1280 * 32 * 32}},
-                                      metadata={"check": _mm_limits})
+                                      metadata={"check": r.mm_limits})
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omnistage.config import PLACEMENTS, ConfigError, DeployConfig, load_deploy_config, resolve_deploy_config
+from omnistage.config import ConfigError, DeployConfig, load_deploy_config, resolve_deploy_config
+from omnistage.config_rules import PLACEMENTS
 from omnistage.pipeline.placement.memory import MemoryBudgetError
 from omnistage.platform import detect_platform
 from omnistage.server.media_args import add_media_args
@@ -135,7 +136,6 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     """The app and its running engine, from `omnistage serve` arguments."""
     from omnistage.entrypoints.async_omni import AsyncOmni
     from omnistage.server.app import create_app
-
     from omnistage.server.media_args import media_policy
 
     policy = media_policy(args)
