@@ -24,6 +24,8 @@ from serve_process import KEY, MODEL, Server
 
 TURN = {"max_output_tokens": 4, "max_audio_frames": 4, "seed": 7}
 MANUAL = {"type": "realtime", "audio": {"input": {"turn_detection": None}}, **TURN}
+VAD = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {"type": "server_vad",
+                                                                         "silence_duration_ms": 300}}}}
 
 
 @pytest.fixture(scope="session")
@@ -58,6 +60,11 @@ def long_speech_pcm() -> bytes:
 
 def silence(ms: int) -> bytes:
     return bytes(ms * 48)
+
+
+def spoken_turn() -> bytes:
+    """Half a second of silence, the espeak-ng question, then silence enough for `VAD` to end the turn."""
+    return silence(500) + speech_pcm() + silence(800)
 
 
 def b64(pcm: bytes) -> str:

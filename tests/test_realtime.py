@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import soundfile as sf
 from serve_process import KEY, MODEL, samples
-from realtime_helpers import (AUDIO_EVENTS, MANUAL, TURN, answer, append, assert_nothing_held, b64, chat,
-                             chat_audio, client, gauges, say, setup, shape, silence, speech_pcm, text_item,
-                             transcript_deltas, until)
+from realtime_helpers import (AUDIO_EVENTS, MANUAL, VAD, answer, append, assert_nothing_held, b64, chat,
+                             chat_audio, client, gauges, say, setup, shape, silence, speech_pcm, spoken_turn,
+                             text_item, transcript_deltas, until)
 
 pytest_plugins = ["realtime_helpers"]
 
@@ -81,7 +81,8 @@ def test_manual_commit_history_equals_chat(rt_server):
             second = answer(await until(conn, "response.done"))
             return first, second
 
-    hits = lambda: [gauges(rt_server, f"omnistage_{k}_cache_hits_total").get("thinker", 0) for k in ("prefix", "encoder")]
+    hits = lambda: [gauges(rt_server, f"omnistage_{k}_cache_hits_total").get("thinker", 0)
+                    for k in ("prefix", "encoder")]
     before = hits()
     first, second = asyncio.run(main())
     wav = io.BytesIO()
@@ -100,7 +101,7 @@ def test_manual_commit_history_equals_chat(rt_server):
         assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
         assert reply["usage"]["completion_tokens"] == response.usage.output_tokens == 8
     prefix, encoder = (b - a for a, b in zip(before, hits()))
-    assert prefix >= 16 * 5 and encoder == 4  # every prompt after the first holds the first's prefix and audio
+    assert prefix >= 16 * 5 and encoder == 4  # every prompt after the first holds the first's prefix, audio
     unknown = httpx.post(rt_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": MODEL,
                                "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})
@@ -110,9 +111,8 @@ def test_manual_commit_history_equals_chat(rt_server):
 def test_spoken_turn_with_server_vad(rt_server):
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
-            await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "silence_duration_ms": 300}}}})
-            await append(conn, silence(500) + speech_pcm() + silence(800))
+            await setup(conn, VAD)
+            await append(conn, spoken_turn())
             events = await until(conn, "response.done")
             kinds = shape(events)
             assert kinds[:5] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
@@ -136,8 +136,7 @@ def test_barge_in_cancels_and_truncates(rt_server):
 
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
-            await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "silence_duration_ms": 300}}}})
+            await setup(conn, VAD)
             await say(conn, "Talk a lot.")
             await conn.response.create(response=long)
             events = await until(conn, "response.output_audio.delta")

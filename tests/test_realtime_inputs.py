@@ -14,8 +14,8 @@ import httpx
 import numpy as np
 import soundfile as sf
 from PIL import Image
-from realtime_helpers import (MANUAL, TURN, answer, append, b64, chat, chat_audio, client, setup, silence,
-                             speech_pcm, until)
+from realtime_helpers import (MANUAL, VAD, answer, append, b64, chat, chat_audio, client, setup, speech_pcm,
+                              spoken_turn, until)
 from serve_process import KEY, MODEL, samples
 
 from omnistage.server.realtime.conversation import Item, Part
@@ -139,9 +139,8 @@ def test_server_timings_in_response_done(rt_server):
     audio and RTF; a response.create'd one all but the first."""
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
-            await setup(conn, {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
-                "type": "server_vad", "silence_duration_ms": 300}}}})
-            await append(conn, silence(500) + speech_pcm() + silence(800))
+            await setup(conn, VAD)
+            await append(conn, spoken_turn())
             spoken = await until(conn, "response.done")
             await conn.response.create(response={"metadata": {"mine": "kept"}})
             return spoken, await until(conn, "response.done")

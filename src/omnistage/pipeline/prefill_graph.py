@@ -20,8 +20,9 @@ from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.layers.context import ForwardContext, forward_context, to_device
 from omnistage.models.qwen3_omni.decoder import Deepstack
 
-# (embeds [T, H], positions [3, T], capture, DeepStack rows or None) -> (hidden, the capture layer's rows or None)
-Forward = Callable[[torch.Tensor, torch.Tensor, bool, Deepstack | None], tuple[torch.Tensor, torch.Tensor | None]]
+# (embeds [T, H], positions [3, T], capture, DeepStack rows or None) -> (hidden, capture layer's rows / None)
+Forward = Callable[[torch.Tensor, torch.Tensor, bool, Deepstack | None],
+                   tuple[torch.Tensor, torch.Tensor | None]]
 Key = tuple[int, bool, bool]  # (token bucket, with the capture layer, with DeepStack rows)
 
 
@@ -44,8 +45,8 @@ class PrefillGraphRunner:
         self.lens = torch.zeros(max_seqs + 1, dtype=torch.int32, device=device)
         self.tables = torch.full((max_seqs + 1, width), scratch_block, dtype=torch.int32, device=device)
         self.ds_index = torch.zeros(rows if deepstack_levels else 0, dtype=torch.long, device=device)
-        self.ds_rows = torch.zeros(deepstack_levels, rows if deepstack_levels else 0, hidden_size, dtype=dtype,
-                                   device=device)
+        self.ds_rows = torch.zeros(deepstack_levels, rows if deepstack_levels else 0, hidden_size,
+                                   dtype=dtype, device=device)
         self.graphs: CUDAGraphs | None = CUDAGraphs() if device.type == "cuda" else None
 
     def fits(self, lens: Sequence[int]) -> bool:
@@ -70,11 +71,11 @@ class PrefillGraphRunner:
         key = (batch_bucket(total, self.buckets), capture, deepstack is not None)
         self._capture(key)
         self._load(key[0], embeds, positions, lens, tables)
-        if deepstack is not None:
-            n = deepstack.index.numel()
+        if deepstack is not None:  # NOTE: only the bucket's rows are read: the rest stays as it is
+            n, t = deepstack.index.numel(), key[0]
             self.ds_index[:n].copy_(deepstack.index)
-            self.ds_index[n:].zero_()
-            self.ds_rows[:, n:].zero_()
+            self.ds_index[n:t].zero_()
+            self.ds_rows[:, n:t].zero_()
             for level, rows in enumerate(deepstack.embeds):
                 self.ds_rows[level, :n].copy_(rows)
         hidden, captured = self._forward(key) if self.graphs is None else self.graphs.replay(key)
@@ -105,14 +106,15 @@ class PrefillGraphRunner:
         for a, b in groups:
             lo, hi = starts[a], starts[b]
             last = to_device([starts[i + 1] - 1 - lo for i in range(a, b)], torch.long, embeds.device)
-            out.append(self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b])[0].index_select(0, last))
+            hidden = self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b])[0]
+            out.append(hidden.index_select(0, last))
         return torch.cat(out)
 
     def fits_deepstack(self, deepstack: Deepstack | None) -> bool:
         return deepstack is None or len(deepstack.embeds) == self.ds_rows.shape[0] > 0
     def _capture(self, key: Key) -> None:
         if self.graphs is not None and key not in self.graphs:
-            self._load(key[0], self.embeds[:0], self.positions[:, :0], [], [])  # warm-up and capture: padding only
+            self._load(key[0], self.embeds[:0], self.positions[:, :0], [], [])  # warm-up, capture: padding
             self.graphs.capture(key, lambda: self._forward(key))
 
     def _load(self, t: int, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],

@@ -25,7 +25,7 @@ def digest(*tensors: torch.Tensor) -> bytes:
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
         h.update(str((t.dtype, tuple(t.shape))).encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())  # NOTE: its buffer, not a copy
     return h.digest()
 
 
