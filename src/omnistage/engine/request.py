@@ -15,7 +15,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 @dataclass
 class Request:
     """`phases`: seconds from `arrival` (its construction) to the first time the request reached each phase
-    (`mark`: thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
+    (`mark`: encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
     delta carries a copy. Recorded with the local placement: with Ray the stages mark their actor's copy of
     the request, so the driver's request has none."""
 

@@ -78,11 +78,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
 
 def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_q: torch.Tensor,
-                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float) -> torch.Tensor:
+                     cu_k: torch.Tensor, max_q: int, max_k: int, scale: float, causal: bool = True) -> torch.Tensor:
     """Flash-attention over packed sequences (CUDA, fp16/bf16): q [Tq, H, D], k/v [Tk, KV, D], sequence i
     at rows `cu_q[i]:cu_q[i+1]` / `cu_k[i]:cu_k[i+1]` (int32). Its queries are the LAST positions of its
     keys: flash aligns the causal mask bottom-right when q_len < k_len (asserted by the GPU test)."""
-    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False,
+    return torch.ops.aten._flash_attention_forward(q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False,
                                                    scale=scale)[0]
 
 
@@ -113,12 +113,17 @@ def _flash_device(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device) >= (8, 0))
 
 
-def flash_prefill_supported(q: torch.Tensor, ctx: ForwardContext) -> bool:
-    """Whether `varlen_attention` runs this prefill: CUDA (sm80+, torch built with flash), fp16/bf16,
-    head_dim a multiple of 8 up to 256, and a context carrying `kv_slots` (as `build_context` makes them)."""
+def flash_supported(q: torch.Tensor) -> bool:
+    """Whether `varlen_attention` takes `q`: CUDA (sm80+, torch built with flash), fp16/bf16, head_dim a
+    multiple of 8 up to 256."""
     head_dim = q.shape[-1]
     return (q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
-            and ctx.kv_slots is not None and _flash_device(q.device))
+            and _flash_device(q.device))
+
+
+def flash_prefill_supported(q: torch.Tensor, ctx: ForwardContext) -> bool:
+    """`flash_supported`, and a context carrying `kv_slots` (as `build_context` makes them)."""
+    return ctx.kv_slots is not None and flash_supported(q)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, ctx: ForwardContext,

@@ -98,6 +98,7 @@ class ThinkerStage(AsyncOutputStep):
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
         media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache)[0]
         seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
+        req.mark("encoded")
         seq.open = req.growing
         if self.prefix_caching:
             seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)

@@ -1,0 +1,115 @@
+"""The thinker's encoders alone on the GPU: the full-size audio tower and vision encoder (seeded random bf16
+weights) per input shape, transformers' reference attention (`sdpa`: one call per window / image, a host sync
+per layer) against the packed path (`encoder_attention.NAME`), with their outputs compared.
+
+    python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2]
+
+Per case and path: median wall ms of a synchronised call, and from one profiled call the kernels launched,
+their summed GPU ms and the host syncs. `--pressure-gb N` repeats the cases with only N GB of the GPU free
+(another tensor holds the rest, as the server's KV caches do).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from omnistage.models.qwen3_omni.encoder_attention import NAME
+from omnistage.models.qwen3_omni.encoders import build_audio_tower, build_visual, encode_audio, encode_visual
+from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG
+
+AUDIO = {"audio 2 s": [2], "audio 5 s": [5], "audio 15 s": [15], "audio 16 x 5 s": [5] * 16}
+VISUAL = {"photo 640x480": [[1, 30, 40]], "photo 1280x720": [[1, 44, 80]], "8 photos 640x480": [[1, 30, 40]] * 8,
+          "video 4 s 320x240": [[4, 16, 20]], "16 videos 4 s": [[4, 16, 20]] * 16}
+
+
+def _audio_call(tower: torch.nn.Module, seconds: list[int]):
+    n = max(seconds) * 100
+    feats = torch.randn(len(seconds), tower.config.num_mel_bins, n, device="cuda", dtype=torch.bfloat16)
+    mask = (torch.arange(n, device="cuda")[None] < torch.tensor(seconds, device="cuda")[:, None] * 100).long()
+    return lambda: encode_audio(tower, feats, mask)
+
+
+def _visual_call(visual: torch.nn.Module, grids: list[list[int]]):
+    c = visual.config
+    grid = torch.tensor(grids, device="cuda")
+    px = torch.randn(int(grid.prod(-1).sum()), c.in_channels * c.temporal_patch_size * c.patch_size**2,
+                     device="cuda", dtype=torch.bfloat16)
+    return lambda: encode_visual(visual, px, grid).embeds
+
+
+def _measure(fn) -> dict:
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    walls = []
+    for _ in range(10):
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        walls.append((time.perf_counter() - t) * 1e3)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    syncs = sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync") for e in events)
+    return {"wall_ms": round(statistics.median(walls), 2), "kernels": len(kernels),
+            "gpu_ms": round(sum(e.device_time for e in kernels) / 1e3, 2), "syncs_or_copies": syncs}
+
+
+def _case(module: torch.nn.Module, fn) -> dict:
+    row = {}
+    outs = {}
+    for impl in ("sdpa", NAME):
+        module.config._attn_implementation = impl
+        row[impl] = _measure(fn)
+        outs[impl] = fn().float()
+    a, b = outs["sdpa"], outs[NAME]
+    row["max_abs_diff"] = float((a - b).abs().max())
+    row["rel_err"] = float((a - b).norm() / a.norm())
+    row["speedup"] = round(row["sdpa"]["wall_ms"] / row[NAME]["wall_ms"], 2)
+    return row
+
+
+def run(tag: str, tower: torch.nn.Module, visual: torch.nn.Module) -> dict:
+    out = {}
+    for name, secs in AUDIO.items():
+        out[name] = _case(tower, _audio_call(tower, secs))
+        print(tag, name, json.dumps(out[name]), flush=True)
+    for name, grids in VISUAL.items():
+        out[name] = _case(visual, _visual_call(visual, grids))
+        print(tag, name, json.dumps(out[name]), flush=True)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--pressure-gb", type=float, default=0)
+    args = ap.parse_args()
+    cfg = json.loads(FULL_SIZE_CONFIG.read_text())["thinker_config"]
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        tower = build_audio_tower(cfg["audio_config"]).to(torch.bfloat16).eval()
+        visual = build_visual(cfg["vision_config"]).to(torch.bfloat16).eval()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    with torch.inference_mode():
+        result["free"] = run("free", tower, visual)
+        if args.pressure_gb:
+            torch.cuda.empty_cache()
+            free, _ = torch.cuda.mem_get_info()
+            hog = torch.empty(int(free - args.pressure_gb * 2**30), dtype=torch.uint8, device="cuda")
+            result[f"{args.pressure_gb:g} GB free"] = run("pressure", tower, visual)
+            del hog
+    with open(args.out, "w") as f:
+        json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""The encoders' packed attention (`encoder_attention`) against transformers' own encoders with `sdpa`: exact on
+the CPU (the reference path), within bf16 rounding on CUDA (one flash call per layer)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoderConfig,
+    Qwen3OmniMoeVisionEncoderConfig,
+)
+from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+    Qwen3OmniMoeAudioEncoder,
+    Qwen3OmniMoeVisionEncoder,
+)
+
+from omnistage.models.qwen3_omni.encoder_attention import NAME
+from omnistage.models.qwen3_omni.encoders import build_audio_tower, build_visual, encode_audio, encode_visual
+from omnistage.models.qwen3_omni.rope_index import audio_token_count
+
+# head dims as the full-size encoders (audio 1280 / 20, vision 1152 / 16); windows of 200 mel frames, so a
+# 15 s audio spans several
+AUDIO = dict(num_mel_bins=128, d_model=256, encoder_layers=3, encoder_attention_heads=4, encoder_ffn_dim=512,
+             downsample_hidden_size=32, output_dim=64, n_window=50, n_window_infer=200, conv_chunksize=500,
+             max_source_positions=1500)
+VISION = dict(depth=4, hidden_size=288, intermediate_size=576, num_heads=4, in_channels=3, patch_size=16,
+              spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=64, num_position_embeddings=2304,
+              deepstack_visual_indexes=[1, 2, 3])
+
+
+def _pair(device: str, dtype: torch.dtype):
+    torch.manual_seed(0)
+    with torch.device(device):
+        audio, visual = build_audio_tower(AUDIO), build_visual(VISION)
+        ref_audio = Qwen3OmniMoeAudioEncoder(Qwen3OmniMoeAudioEncoderConfig(**AUDIO))
+        ref_visual = Qwen3OmniMoeVisionEncoder(Qwen3OmniMoeVisionEncoderConfig(**VISION))
+    ref_audio.load_state_dict(audio.state_dict())
+    ref_visual.load_state_dict(visual.state_dict())
+    assert audio.config._attn_implementation == visual.config._attn_implementation == NAME
+    assert ref_audio.config._attn_implementation == ref_visual.config._attn_implementation == "sdpa"
+    return [m.to(dtype).eval() for m in (audio, visual, ref_audio, ref_visual)]
+
+
+def _inputs(device: str, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1)
+    feats = torch.randn(2, 128, 1500, generator=g)
+    mask = torch.ones(2, 1500, dtype=torch.long)
+    mask[1, 730:] = 0  # 15 s and 7.3 s: several windows each, the last one short
+    grid = torch.tensor([[1, 8, 12], [1, 6, 6], [4, 6, 8]])  # two images and a 4-step video
+    pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=g)
+    return feats.to(device, dtype), mask.to(device), pixels.to(device, dtype), grid.to(device)
+
+
+@torch.inference_mode()
+def _outputs(device: str, dtype: torch.dtype):
+    audio, visual, ref_audio, ref_visual = _pair(device, dtype)
+    feats, mask, pixels, grid = _inputs(device, dtype)
+    ours = [encode_audio(audio, feats, mask), *_flat(encode_visual(visual, pixels, grid))]
+    ref = [encode_audio(ref_audio, feats, mask), *_flat(encode_visual(ref_visual, pixels, grid))]
+    return ours, ref
+
+
+def _flat(v):
+    return [v.embeds, *v.deepstack]
+
+
+def test_packed_attention_is_transformers_sdpa_on_the_cpu():
+    ours, ref = _outputs("cpu", torch.float32)
+    assert ours[0].shape == (audio_token_count(1500, 50) + audio_token_count(730, 50), 64)
+    assert ours[1].shape == (int(torch.tensor([96, 36, 192]).sum()) // 4, 64)
+    for a, b in zip(ours, ref):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the flash path is CUDA's")
+def test_packed_attention_flash_within_bf16_on_cuda():
+    ours, ref = _outputs("cuda", torch.bfloat16)
+    for a, b in zip(ours, ref):
+        rel = float((a.float() - b.float()).norm() / b.float().norm())
+        assert rel < 1e-2, rel
