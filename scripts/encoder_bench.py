@@ -5,7 +5,7 @@ per layer) against the packed path (`encoder_attention.NAME`), with their output
     python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2]
 
 Per case and path: median wall ms of a synchronised call, and from one profiled call the kernels launched,
-their summed GPU ms and the host syncs. `--pressure-gb N` repeats the cases with only N GB of the GPU free
+their summed GPU ms, the host syncs and the six kernels of most GPU time. `--pressure-gb N` repeats the cases with only N GB of the GPU free
 (another tensor holds the rest, as the server's KV caches do).
 """
 
@@ -59,8 +59,13 @@ def _measure(fn) -> dict:
     events = prof.events()
     kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
     syncs = sum(e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpyAsync") for e in events)
+    by_name: dict[str, float] = {}
+    for e in kernels:
+        by_name[e.name[:60]] = by_name.get(e.name[:60], 0.0) + e.device_time / 1e3
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:6]
     return {"wall_ms": round(statistics.median(walls), 2), "kernels": len(kernels),
-            "gpu_ms": round(sum(e.device_time for e in kernels) / 1e3, 2), "syncs_or_copies": syncs}
+            "gpu_ms": round(sum(e.device_time for e in kernels) / 1e3, 2), "syncs_or_copies": syncs,
+            "top_kernels_ms": {k: round(v, 2) for k, v in top}}
 
 
 def _case(module: torch.nn.Module, fn) -> dict:

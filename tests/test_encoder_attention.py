@@ -1,5 +1,6 @@
-"""The encoders' packed attention (`encoder_attention`) against transformers' own encoders with `sdpa`: exact on
-the CPU (the reference path), within bf16 rounding on CUDA (one flash call per layer)."""
+"""The encoders' packed attention (`encoder_attention`) and the audio tower's host-indexed forward
+(`audio_encoder`) against transformers' own encoders with `sdpa`: exact on the CPU (the reference path), within
+bf16 rounding on CUDA (one flash call per layer, no host sync)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ def _pair(device: str, dtype: torch.dtype):
 
 def _inputs(device: str, dtype: torch.dtype):
     g = torch.Generator().manual_seed(1)
-    feats = torch.randn(2, 128, 1500, generator=g)
-    mask = torch.ones(2, 1500, dtype=torch.long)
-    mask[1, 730:] = 0  # 15 s and 7.3 s: several windows each, the last one short
+    feats = torch.randn(3, 128, 1500, generator=g)
+    mask = torch.ones(3, 1500, dtype=torch.long)
+    mask[1, 730:] = 0  # 15 s, 7.3 s and 0.37 s: several windows, short last chunks, a clip of one short chunk
+    mask[2, 37:] = 0
     grid = torch.tensor([[1, 8, 12], [1, 6, 6], [4, 6, 8]])  # two images and a 4-step video
     pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=g)
     return feats.to(device, dtype), mask.to(device), pixels.to(device, dtype), grid.to(device)
@@ -56,7 +58,9 @@ def _outputs(device: str, dtype: torch.dtype):
     audio, visual, ref_audio, ref_visual = _pair(device, dtype)
     feats, mask, pixels, grid = _inputs(device, dtype)
     ours = [encode_audio(audio, feats, mask), *_flat(encode_visual(visual, pixels, grid))]
-    ref = [encode_audio(ref_audio, feats, mask), *_flat(encode_visual(ref_visual, pixels, grid))]
+    flat = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
+    ref = [ref_audio(flat, feature_lens=mask.sum(1)).last_hidden_state,
+           *_flat(encode_visual(ref_visual, pixels, grid))]
     return ours, ref
 
 
@@ -66,7 +70,7 @@ def _flat(v):
 
 def test_packed_attention_is_transformers_sdpa_on_the_cpu():
     ours, ref = _outputs("cpu", torch.float32)
-    assert ours[0].shape == (audio_token_count(1500, 50) + audio_token_count(730, 50), 64)
+    assert ours[0].shape == (sum(audio_token_count(n, 50) for n in (1500, 730, 37)), 64)
     assert ours[1].shape == (int(torch.tensor([96, 36, 192]).sum()) // 4, 64)
     for a, b in zip(ours, ref):
         assert torch.equal(a, b)
@@ -78,3 +82,20 @@ def test_packed_attention_flash_within_bf16_on_cuda():
     for a, b in zip(ours, ref):
         rel = float((a.float() - b.float()).norm() / b.float().norm())
         assert rel < 1e-2, rel
+
+
+@pytest.mark.parametrize("frames", [1, 99, 100, 101, 799, 800, 801, 1234, 3000])
+def test_audio_layout_is_transformers(frames):
+    from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
+
+    from omnistage.models.qwen3_omni.audio_encoder import _layout
+
+    if not hasattr(hf, "get_audio_cu_seqlens"):
+        pytest.skip("this transformers computes the layout inside the forward (the parity test above covers it)")
+    lens = torch.tensor([frames, 130])
+    chunks, valid, windows = _layout(lens.tolist(), 50, 800)
+    ref_chunks = hf.chunk_and_pad_features(torch.zeros(1, int(lens.sum())), lens, 50)[1]
+    assert chunks == ref_chunks.tolist()
+    assert valid == hf.get_valid_indices(ref_chunks, 50).tolist()
+    cu = hf.get_audio_cu_seqlens(ref_chunks, lens, 800, 50)
+    assert windows == (cu[1:] - cu[:-1]).tolist()

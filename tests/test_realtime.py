@@ -101,7 +101,9 @@ def test_manual_commit_history_equals_chat(rt_server):
         assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
         assert reply["usage"]["completion_tokens"] == response.usage.output_tokens == 8
     prefix, encoder = (b - a for a, b in zip(before, hits()))
-    assert prefix >= 16 * 5 and encoder == 4  # every prompt after the first holds the first's prefix, audio
+    # every prompt after the first holds the first's prefix and audio; the first's audio may be cached already
+    # (an earlier test on this shared server spoke the same clip)
+    assert prefix >= 16 * 5 and encoder in (4, 5)
     unknown = httpx.post(rt_server.url + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                          json={"model": MODEL,
                                "messages": [{"role": "assistant", "audio": {"id": "audio_x"}}]})

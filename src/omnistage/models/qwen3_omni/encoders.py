@@ -21,6 +21,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
     Qwen3OmniMoeVisionEncoder,
 )
 
+from omnistage.models.qwen3_omni.audio_encoder import audio_forward
 from omnistage.models.qwen3_omni.encoder_attention import use_packed_attention
 
 
@@ -45,11 +46,11 @@ def build_visual(vision_config: PreTrainedConfig | Mapping[str, Any]) -> nn.Modu
 
 def encode_audio(audio_tower: nn.Module, input_features: torch.Tensor,
                  feature_attention_mask: torch.Tensor) -> torch.Tensor:
-    """Log-mel features `[B, mels, frames]` with their mask `[B, frames]` -> audio token rows `[N, H]`
-    (all audios concatenated; N = sum of `_get_feat_extract_output_lengths(mask.sum(-1))`)."""
-    lens = feature_attention_mask.sum(dim=1)
-    feats = input_features.permute(0, 2, 1)[feature_attention_mask.bool()].permute(1, 0)
-    return audio_tower(feats, feature_lens=lens).last_hidden_state
+    """Log-mel features `[B, mels, frames]` with their prefix mask `[B, frames]` (on the host: no sync) -> audio
+    token rows `[N, H]` (all audios concatenated; N = sum of `_get_feat_extract_output_lengths(mask.sum(-1))`)."""
+    lens = feature_attention_mask.sum(dim=1).tolist()
+    feats = torch.cat([f[:, :n] for f, n in zip(input_features, lens)], dim=1)
+    return audio_forward(audio_tower, feats, lens)
 
 
 def encode_visual(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisualEmbeds:

@@ -49,7 +49,7 @@ def extend(thinker: torch.nn.Module, seq: ThinkerSeq, piece: PromptPiece, tokeni
     rows = None
     if piece.audio is not None:
         feats = piece.audio[None].to(device, dtype)
-        rows = thinker.encode_audio(feats, torch.ones(feats.shape[::2], dtype=torch.long, device=device))
+        rows = thinker.encode_audio(feats, torch.ones(feats.shape[::2], dtype=torch.long))
         rows = rows[piece.skip:]
     embeds, _ = thinker.embed(ids.to(device), rows)
     mm = ids == thinker.audio_token_id

@@ -45,7 +45,7 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
         width = max(items[i][2] for i in todo)
         feats = torch.stack([F.pad(items[i][1], (0, width - items[i][2])) for i in todo])
         mask = (torch.arange(width)[None] < torch.tensor([items[i][2] for i in todo])[:, None]).long()
-        out = thinker.encode_audio(feats.to(device, dtype), mask.to(device))
+        out = thinker.encode_audio(feats.to(device, dtype), mask)
         n_window = thinker.audio_tower.config.n_window
         for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
             rows[i] = r
@@ -98,8 +98,7 @@ def warm_encoders(thinker: torch.nn.Module, device: torch.device, dtype: torch.d
     """Run the audio tower (a 5 s clip) and the vision encoder (a 640 x 480 photo, a 4-frame 320 x 240 video)
     once, at start, so that the first media request does not pay their first calls."""
     mels = thinker.audio_tower.config.num_mel_bins
-    thinker.encode_audio(torch.zeros(1, mels, 500, device=device, dtype=dtype),
-                         torch.ones(1, 500, dtype=torch.long, device=device))
+    thinker.encode_audio(torch.zeros(1, mels, 500, device=device, dtype=dtype), torch.ones(1, 500, dtype=torch.long))
     v = thinker.visual.config
     for grid in ([1, 30, 40], [2, 16, 20]):
         rows = grid[0] * grid[1] * grid[2]

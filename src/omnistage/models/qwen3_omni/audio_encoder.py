@@ -1,0 +1,77 @@
+"""The audio tower's forward ("AuT": 100-frame chunks through three stride-2 convs, then attention layers over
+windows of `n_window_infer` frames) over transformers' `Qwen3OmniMoeAudioEncoder` modules and weights, with the
+chunk, window and row indices computed on the host from the clips' lengths: no host sync inside.
+
+transformers' own forward (the reference, `tests/test_encoder_attention.py`: equal on the CPU) derives them from
+device tensors, a sync each (about 250 for a 5 s clip, more per clip of a batch).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from omnistage.models.qwen3_omni.encoder_attention import packed_attention
+
+
+def _after_cnn(frames: int, n_window: int) -> int:
+    """Rows after the convs for `frames` mel frames (transformers' `_get_feat_extract_output_lengths`)."""
+    rest = frames % (n_window * 2)
+    f = (rest - 1) // 2 + 1
+    return ((f - 1) // 2 + 1 - 1) // 2 + 1 + (frames // (n_window * 2)) * 13
+
+
+def _layout(lens: list[int], n_window: int, n_window_infer: int) -> tuple[list[int], list[int], list[int]]:
+    """Chunk lengths (frames), the flat indices of the chunks' valid rows after the convs, and the attention
+    windows' lengths (rows), for clips of `lens` frames."""
+    chunk = n_window * 2
+    chunks = [c for n in lens for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
+    after = [_after_cnn(c, n_window) for c in chunks]
+    width = max(after)
+    valid = [i * width + j for i, a in enumerate(after) for j in range(a)]
+    window = width * (n_window_infer // chunk)
+    windows = []
+    for n in lens:
+        rows = _after_cnn(n, n_window)
+        windows += [window] * (rows // window) + ([rows % window] if rows % window else [])
+    return chunks, valid, windows
+
+
+def _layer(layer: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int) -> torch.Tensor:
+    """transformers' `Qwen3OmniMoeAudioEncoderLayer` (pre-norm attention and MLP) with the packed attention."""
+    attn, n = layer.self_attn, h.shape[0]
+    x = layer.self_attn_layer_norm(h)
+    q, k, v = (proj(x).reshape(n, attn.num_heads, -1).transpose(0, 1).unsqueeze(0)
+               for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
+    out, _ = packed_attention(attn, q, k, v, None, scaling=attn.scaling, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                              max_length_q=longest, max_length_k=longest)
+    h = h + attn.out_proj(out.reshape(n, -1).contiguous())
+    h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
+    if h.dtype == torch.float16:
+        clamp = torch.finfo(h.dtype).max - 1000
+        h = torch.clamp(h, min=-clamp, max=clamp)
+    return h
+
+
+def audio_forward(tower: nn.Module, features: torch.Tensor, lens: list[int]) -> torch.Tensor:
+    """Clips' log-mel frames `[mels, sum(lens)]` (concatenated) -> audio token rows `[N, output_dim]`."""
+    chunks, valid, windows = _layout(lens, tower.n_window, tower.n_window_infer)
+    padded = nn.utils.rnn.pad_sequence(features.T.split(chunks), batch_first=True).transpose(1, 2)
+    x = padded.unsqueeze(1).to(tower.conv2d1.weight.dtype)
+    parts = []
+    for part in x.split(tower.conv_chunksize, dim=0):
+        for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3):
+            part = F.gelu(conv(part))
+        parts.append(part)
+    x = torch.cat(parts, dim=0)
+    b, c, f, t = x.size()
+    x = tower.conv_out(x.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
+    x = x + tower.positional_embedding.positional_embedding[:t].unsqueeze(0).to(x.dtype)
+    index = torch.tensor(valid).to(x.device, non_blocking=True)
+    h = torch.index_select(x.reshape(-1, x.shape[-1]), 0, index)
+    cu = F.pad(torch.tensor(windows, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu.to(x.device, non_blocking=True)
+    for layer in tower.layers:
+        h = _layer(layer, h, cu, max(windows))
+    return tower.proj2(tower.act(tower.proj1(tower.ln_post(h))))
