@@ -1,6 +1,6 @@
-"""The encoders' packed attention (`encoder_attention`) and the audio tower's host-indexed forward
-(`audio_encoder`) against transformers' own encoders with `sdpa`: exact on the CPU (the reference path), within
-bf16 rounding on CUDA (one flash call per layer, no host sync)."""
+"""The encoders' forwards (`audio_encoder`, `vision_encoder`: host indices, packed attention) against
+transformers' own encoders with `sdpa`: exact on the CPU (the reference path), within bf16 rounding on CUDA
+(one flash call per layer, no host sync)."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ def _inputs(device: str, dtype: torch.dtype):
     mask[2, 37:] = 0
     grid = torch.tensor([[1, 8, 12], [1, 6, 6], [4, 6, 8]])  # two images and a 4-step video
     pixels = torch.randn(int(grid.prod(-1).sum()), 3 * 2 * 16 * 16, generator=g)
-    return feats.to(device, dtype), mask.to(device), pixels.to(device, dtype), grid.to(device)
+    return feats.to(device, dtype), mask, pixels.to(device, dtype), grid
 
 
 @torch.inference_mode()
@@ -58,9 +58,10 @@ def _outputs(device: str, dtype: torch.dtype):
     audio, visual, ref_audio, ref_visual = _pair(device, dtype)
     feats, mask, pixels, grid = _inputs(device, dtype)
     ours = [encode_audio(audio, feats, mask), *_flat(encode_visual(visual, pixels, grid))]
-    flat = feats.permute(0, 2, 1)[mask.bool()].permute(1, 0)
-    ref = [ref_audio(flat, feature_lens=mask.sum(1)).last_hidden_state,
-           *_flat(encode_visual(ref_visual, pixels, grid))]
+    flat = feats.permute(0, 2, 1)[mask.to(device).bool()].permute(1, 0)
+    out = ref_visual(pixels, grid_thw=grid.to(device))
+    ref = [ref_audio(flat, feature_lens=mask.to(device).sum(1)).last_hidden_state, out.pooler_output,
+           *out.deepstack_features]
     return ours, ref
 
 

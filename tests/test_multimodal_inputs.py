@@ -139,7 +139,7 @@ def test_encoders_batched_across_requests() -> None:
          False), (TWO_TURNS, True), ([{"role": "user", "content": "text"}], False))]
     calls = {"visual": 0, "audio": 0}
     hooks = [m.register_forward_hook(lambda *_, k=k: calls.__setitem__(k, calls[k] + 1))
-             for k, m in (("visual", thinker.visual), ("audio", thinker.audio_tower.ln_post))]  # once a forward
+             for k, m in (("visual", thinker.visual.merger), ("audio", thinker.audio_tower.ln_post))]  # once a forward
     try:
         with torch.no_grad():
             together = encode_together(thinker, prompts, torch.device("cpu"), torch.float32)

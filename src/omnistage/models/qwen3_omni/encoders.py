@@ -1,4 +1,5 @@
-"""Audio ("AuT") and vision encoders of the thinker: transformers' own classes, wrapped.
+"""Audio ("AuT") and vision encoders of the thinker: transformers' classes and weights, run by our forwards
+(`audio_encoder.py`, `vision_encoder.py`: indices from the host, packed attention).
 
 `encode_audio` / `encode_visual` return rows ready to be scattered into the placeholder positions
 (`<|audio_pad|>`, `<|image_pad|>`, `<|video_pad|>`) in prompt order.
@@ -23,6 +24,7 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 
 from omnistage.models.qwen3_omni.audio_encoder import audio_forward
 from omnistage.models.qwen3_omni.encoder_attention import use_packed_attention
+from omnistage.models.qwen3_omni.vision_encoder import vision_forward
 
 
 class VisualEmbeds(NamedTuple):
@@ -54,6 +56,7 @@ def encode_audio(audio_tower: nn.Module, input_features: torch.Tensor,
 
 
 def encode_visual(visual: nn.Module, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> VisualEmbeds:
-    """Patches `[num_patches, C * T * P * P]` of images (or videos) with `grid_thw [num, 3]`."""
-    out = visual(pixel_values.to(visual.dtype), grid_thw=grid_thw)
-    return VisualEmbeds(out.pooler_output, list(out.deepstack_features))
+    """Patches `[num_patches, C * T * P * P]` of images (or videos) with `grid_thw [num, 3]` (on the host: no
+    sync)."""
+    embeds, deepstack = vision_forward(visual, pixel_values.to(visual.dtype), grid_thw.tolist())
+    return VisualEmbeds(embeds, deepstack)

@@ -70,7 +70,7 @@ def _encode_visual(thinker: torch.nn.Module, pixels: list[torch.Tensor | None], 
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
         enc = thinker.encode_visual(torch.cat([items[i][1] for i in todo]).to(device),
-                                    torch.stack([items[i][2] for i in todo]).to(device))
+                                    torch.stack([items[i][2] for i in todo]))
         for i, r in zip(todo, split_visual(enc, [int(items[i][2].prod()) // merge for i in todo])):
             rows[i] = r
             if cache is not None:
@@ -104,7 +104,7 @@ def warm_encoders(thinker: torch.nn.Module, device: torch.device, dtype: torch.d
         rows = grid[0] * grid[1] * grid[2]
         width = v.in_channels * v.temporal_patch_size * v.patch_size**2
         thinker.encode_visual(torch.zeros(rows, width, device=device, dtype=dtype),
-                              torch.tensor([grid], device=device))
+                              torch.tensor([grid]))
 
 
 def _count(grids: torch.Tensor | None) -> int:
