@@ -3,7 +3,7 @@ weights) per input shape, transformers' own forward with `sdpa` (one attention c
 syncs on the device's lengths and grids) against ours (`encode_audio` / `encode_visual`: host indices, one
 flash call per layer), with their outputs compared.
 
-    python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2]
+    python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2] [--attention]
 
 Per case and path: median wall ms of a synchronised call, and from one profiled call the kernels launched,
 their summed GPU ms, the host syncs and the six kernels of most GPU time. `--pressure-gb N` repeats the cases with only N GB of the GPU free
@@ -18,6 +18,7 @@ import statistics
 import time
 
 import torch
+import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
 from omnistage.models.qwen3_omni.encoder_attention import NAME
@@ -94,10 +95,55 @@ def run(tag: str, tower: torch.nn.Module, visual: torch.nn.Module) -> dict:
     return out
 
 
+def _timed(fn) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) / 20 * 1e3, 3)
+
+
+def attention_backends() -> dict:
+    """One layer's attention alone (bf16, not causal) per backend: flash (ours), torch's varlen_attn (cuDNN
+    where it picks it) and SDPA's cuDNN backend (one sequence only), for the vision encoder's 1280x720 photo
+    (3520 rows, 16 x 72) and the audio tower's 16 x 5 s clips (16 windows of 65 rows, 20 x 64)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from omnistage.layers.attention import varlen_attention
+
+    out = {}
+    for name, lens, heads, dim in (("vision 3520", [3520], 16, 72), ("audio 16 x 65", [65] * 16, 20, 64)):
+        n = sum(lens)
+        q, k, v = (torch.randn(n, heads, dim, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], device="cuda", dtype=torch.int32)
+        row = {"flash": _timed(lambda: varlen_attention(q, k, v, cu, cu, max(lens), max(lens), dim**-0.5,
+                                                        causal=False))}
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+
+            row["varlen_attn"] = _timed(lambda: varlen_attn(q, k, v, cu, cu, max(lens), max(lens)))
+        except Exception as e:  # noqa: BLE001 - a probe: record why
+            row["varlen_attn"] = repr(e)[:120]
+        if len(lens) == 1:
+            qt, kt, vt = (x.transpose(0, 1)[None] for x in (q, k, v))
+            try:
+                with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                    row["sdpa_cudnn"] = _timed(lambda: F.scaled_dot_product_attention(qt, kt, vt))
+            except Exception as e:  # noqa: BLE001
+                row["sdpa_cudnn"] = repr(e)[:120]
+        out[name] = row
+        print("attention", name, json.dumps(row), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--pressure-gb", type=float, default=0)
+    ap.add_argument("--attention", action="store_true", help="also time one layer's attention per backend")
     args = ap.parse_args()
     cfg = json.loads(FULL_SIZE_CONFIG.read_text())["thinker_config"]
     torch.manual_seed(0)
@@ -106,6 +152,8 @@ def main() -> None:
         visual = build_visual(cfg["vision_config"]).to(torch.bfloat16).eval()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with torch.inference_mode():
+        if args.attention:
+            result["attention"] = attention_backends()
         result["free"] = run("free", tower, visual)
         if args.pressure_gb:
             torch.cuda.empty_cache()
