@@ -21,7 +21,6 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
-from omnistage.models.qwen3_omni.encoder_attention import NAME
 from omnistage.models.qwen3_omni.encoders import build_audio_tower, build_visual, encode_audio, encode_visual
 from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG
 
@@ -71,10 +70,9 @@ def _measure(fn) -> dict:
             "top_kernels_ms": {k: round(v, 2) for k, v in top}}
 
 
-def _case(module: torch.nn.Module, calls) -> dict:
+def _case(calls) -> dict:
     row, outs = {}, {}
     for name, fn in zip(("transformers", "omnistage"), calls):
-        module.config._attn_implementation = "sdpa" if name == "transformers" else NAME
         row[name] = _measure(fn)
         outs[name] = fn().float()
     a, b = outs["transformers"], outs["omnistage"]
@@ -87,10 +85,10 @@ def _case(module: torch.nn.Module, calls) -> dict:
 def run(tag: str, tower: torch.nn.Module, visual: torch.nn.Module) -> dict:
     out = {}
     for name, secs in AUDIO.items():
-        out[name] = _case(tower, _audio_calls(tower, secs))
+        out[name] = _case(_audio_calls(tower, secs))
         print(tag, name, json.dumps(out[name]), flush=True)
     for name, grids in VISUAL.items():
-        out[name] = _case(visual, _visual_calls(visual, grids))
+        out[name] = _case(_visual_calls(visual, grids))
         print(tag, name, json.dumps(out[name]), flush=True)
     return out
 

@@ -44,8 +44,7 @@ def _layer(layer: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int) ->
     x = layer.self_attn_layer_norm(h)
     q, k, v = (proj(x).reshape(n, attn.num_heads, -1).transpose(0, 1).unsqueeze(0)
                for proj in (attn.q_proj, attn.k_proj, attn.v_proj))
-    out, _ = packed_attention(attn, q, k, v, None, scaling=attn.scaling, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                              max_length_q=longest, max_length_k=longest)
+    out = packed_attention(attn, q, k, v, cu, longest, attn.scaling)
     h = h + attn.out_proj(out.reshape(n, -1).contiguous())
     h = h + layer.fc2(layer.activation_fn(layer.fc1(layer.final_layer_norm(h))))
     if h.dtype == torch.float16:

@@ -23,7 +23,6 @@ from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
 )
 
 from omnistage.models.qwen3_omni.audio_encoder import audio_forward
-from omnistage.models.qwen3_omni.encoder_attention import use_packed_attention
 from omnistage.models.qwen3_omni.vision_encoder import vision_forward
 
 
@@ -37,13 +36,13 @@ class VisualEmbeds(NamedTuple):
 def build_audio_tower(audio_config: PreTrainedConfig | Mapping[str, Any]) -> nn.Module:
     if not isinstance(audio_config, PreTrainedConfig):
         audio_config = Qwen3OmniMoeAudioEncoderConfig(**audio_config)
-    return use_packed_attention(Qwen3OmniMoeAudioEncoder(audio_config))
+    return Qwen3OmniMoeAudioEncoder(audio_config)
 
 
 def build_visual(vision_config: PreTrainedConfig | Mapping[str, Any]) -> nn.Module:
     if not isinstance(vision_config, PreTrainedConfig):
         vision_config = Qwen3OmniMoeVisionEncoderConfig(**vision_config)
-    return use_packed_attention(Qwen3OmniMoeVisionEncoder(vision_config))
+    return Qwen3OmniMoeVisionEncoder(vision_config)
 
 
 def encode_audio(audio_tower: nn.Module, input_features: torch.Tensor,

@@ -47,8 +47,7 @@ def _layer(blk: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int,
     q, k, v = attn.qkv(blk.norm1(h)).reshape(n, 3, attn.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
     q, k = apply_rotary_pos_emb_vision(q, k, *rope)
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q, k, v))
-    out, _ = packed_attention(attn, q, k, v, None, scaling=attn.scaling, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                              max_length_q=longest, max_length_k=longest)
+    out = packed_attention(attn, q, k, v, cu, longest, attn.scaling)
     h = h + attn.proj(out.reshape(n, -1).contiguous())
     return h + blk.mlp(blk.norm2(h))
 
