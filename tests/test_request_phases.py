@@ -19,7 +19,7 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 from serve_process import MODEL, USER
 
 pytest_plugins = ["serve_fixtures"]
-PHASES = ["thinker_start", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio"]
+PHASES = ["encoded", "thinker_start", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio"]
 
 
 def test_mark_first_time_wins_and_the_finish_carries_a_copy() -> None:
@@ -66,7 +66,7 @@ def test_text_and_audio_reach_every_phase_in_order() -> None:
 
 def test_text_only_has_only_the_thinker_phases() -> None:
     phases = run(want_audio=False)[-1].phases
-    assert list(phases) == PHASES[:2] and phases["thinker_start"] <= phases["first_token"]
+    assert list(phases) == PHASES[:3] and phases["thinker_start"] <= phases["first_token"]
 
 
 def phase_counts(url: str) -> dict[str, int]:
@@ -81,4 +81,4 @@ def test_server_metrics_count_each_phase(server) -> None:
     body |= {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}, "max_audio_frames": 2}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     after = phase_counts(server.url)
-    assert {p: after[p] - before.get(p, 0) for p in PHASES} == {p: 2 if p in PHASES[:2] else 1 for p in PHASES}
+    assert {p: after[p] - before.get(p, 0) for p in PHASES} == {p: 2 if p in PHASES[:3] else 1 for p in PHASES}
