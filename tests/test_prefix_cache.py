@@ -52,6 +52,25 @@ def test_media_keys_enter_the_hash_from_the_block_where_their_placeholders_start
     assert a[0] == b[0] and a[1] != b[1]
 
 
+def test_visual_keys_follow_the_decoded_pixels_and_options() -> None:
+    from PIL import Image
+
+    from omnistage.models.qwen3_omni.media_keys import source_key
+    from omnistage.models.qwen3_omni.prompt import PromptProcessor
+
+    proc = PromptProcessor(tiny_checkpoint("tiny"))
+    pic = np.asarray(image(5, 30, 44))
+    keys = lambda im, **o: proc([{"role": "user", "content": [{"type": "image", "image": im, **o}, "?"]}]).media_keys
+    same = keys(image(5, 30, 44))
+    assert same.images == keys(image(5, 30, 44)).images == (source_key("image", pic, {}),)
+    nudged = pic.copy()
+    nudged[0, 0, 0] ^= 1
+    assert keys(Image.fromarray(nudged)).images != same.images  # one bit of one pixel
+    assert keys(image(5, 30, 44), max_pixels=32 * 32).images != same.images  # other patches from the same pixels
+    assert source_key("video", pic[None], {}) != source_key("image", pic[None], {})
+    assert same.spans[0][2] == same.images[0]
+
+
 @pytest.fixture(scope="module")
 def engines():
     d = tiny_checkpoint("tiny")

@@ -1,6 +1,7 @@
 """Content keys of a prompt's media, made beside the processor (off the stage threads): one per item, over
-what its encoder reads (an audio's valid log-mel frames; an image's or a video's patches and grid), for the
-encoder cache; and each run of placeholders with the keys of the items it holds, for the prefix cache."""
+what decides its encoder rows (an audio's valid log-mel frames; an image's or a video's decoded 8-bit pixels
+with its processing options, 4-8x fewer bytes than the float patches made from them), for the encoder cache;
+and each run of placeholders with the keys of the items it holds, for the prefix cache."""
 
 from __future__ import annotations
 
@@ -29,19 +30,21 @@ def digest(*tensors: torch.Tensor) -> bytes:
     return h.digest()
 
 
-def _visual_keys(pixels: torch.Tensor | None, grids: torch.Tensor | None) -> tuple[bytes, ...]:
-    if grids is None:
-        return ()
-    rows = pixels.split(grids.prod(-1).tolist())
-    return tuple(digest(r, g) for r, g in zip(rows, grids))
+def source_key(kind: str, pixels: np.ndarray, options: dict) -> bytes:
+    """An image's (`[H, W, 3]`) or a video's sampled frames' (`[T, H, W, 3]`) key: its pixels as decoded and
+    its options (the server's processor and limits being fixed, they decide its patches)."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(repr((kind, pixels.dtype.str, pixels.shape, sorted(options.items()))).encode())
+    h.update(np.ascontiguousarray(pixels))
+    return h.digest()
 
 
-def media_keys(prompt, pad_ids: tuple[int, int, int]) -> MediaKeys | None:
-    """Keys of a `PromptInputs`' media; None when its placeholder runs do not match its items."""
+def media_keys(prompt, pad_ids: tuple[int, int, int], images: tuple[bytes, ...], videos: tuple[bytes, ...]
+               ) -> MediaKeys | None:
+    """Keys of a `PromptInputs`' media (`images` / `videos`: their `source_key`s in order); None when its
+    placeholder runs do not match its items."""
     audio_keys = () if prompt.input_features is None else tuple(
         digest(f[:, :n]) for f, n in zip(prompt.input_features, prompt.audio_feature_lens))
-    images = _visual_keys(prompt.pixel_values, prompt.image_grid_thw)
-    videos = _visual_keys(prompt.pixel_values_videos, prompt.video_grid_thw)
     ids = np.asarray(prompt.input_ids)
     pad = np.isin(ids, pad_ids)
     edges = np.flatnonzero(np.diff(np.concatenate([[0], pad.astype(np.int8), [0]])))

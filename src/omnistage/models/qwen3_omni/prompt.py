@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from omnistage.media import MediaError, MediaItems, MediaPolicy, to_conversation
-from omnistage.models.qwen3_omni.media_keys import MediaKeys, media_keys
+from omnistage.models.qwen3_omni.media_keys import MediaKeys, media_keys, source_key
 from omnistage.models.qwen3_omni.processor_files import load_tokenizer
 from omnistage.models.qwen3_omni.rope_index import audio_token_count, merge_ranks
 from omnistage.models.qwen3_omni.visual_processing import VisualProcessor
@@ -94,7 +94,9 @@ class PromptProcessor:
                     piece * video[0])
             expanded.append(piece)
         out.input_ids = self.tokenizer("".join(expanded))["input_ids"]
-        out.media_keys = media_keys(out, self.pad_ids)
+        out.media_keys = media_keys(out, self.pad_ids, tuple(
+            source_key("image", np.asarray(im), o) for im, o in zip(items.images, items.image_options)), tuple(
+            source_key("video", v.frames, o) for v, o in zip(items.videos, items.video_options)))
         return out
 
     def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
