@@ -103,7 +103,7 @@ def clean(o: Omni) -> None:
     t, c, th = o.engine.talkers[0], o.engine.code2wavs[0], o.engine.thinker
     assert not o.engine.requests and not t.seqs and t.pending is None and t.blocks.num_used == 0
     assert not c.seqs and c.pending is None and len(c.streamer.cache.free_slots) == c.max_batch_size
-    assert th.pending is None and th.blocks.num_used == 0 and th.penalties.num_free == th.max_batch_size
+    assert th.pending is None and th.blocks.num_used == 0 and th.penalties.num_free == th.scheduler.max_batch_size
     assert t.penalties.num_free == t.penalties.scratch  # every talker row back
 
 

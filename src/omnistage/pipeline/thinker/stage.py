@@ -3,7 +3,6 @@ asynchronous output (the host handles step N's tokens while step N+1 runs on the
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -24,7 +23,8 @@ from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
-from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix, take_prefix
+from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
+from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 
@@ -48,7 +48,6 @@ class ThinkerStage(AsyncOutputStep):
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.max_batch_size, self.token_budget = max_batch_size, max_num_batched_tokens
         self.blocks = BlockManager(num_blocks, block_size, encoder_cache_bytes)  # NOTE: the prefix's mm rows
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
         self.penalties = PenaltyTable(max_batch_size, thinker.lm_head.out_features, p.device)
@@ -70,8 +69,9 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
-        self.waiting: deque[ThinkerSeq] = deque()
-        self.running: list[ThinkerSeq] = []
+        self.scheduler = ThinkerScheduler(self.blocks, self.penalties, max_batch_size, max_num_batched_tokens,
+                                          self.graph_tokens)
+        self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
@@ -115,20 +115,9 @@ class ThinkerStage(AsyncOutputStep):
         else:
             extend(self.thinker, seq, piece, self.tokenizer)
 
-    def _room(self, seq: ThinkerSeq, n: int) -> bool:
-        """KV blocks for `n` more prompt rows (and, once the prompt is whole, its max_tokens) and, once
-        whole, a penalty row: a growing prompt takes them as it grows."""
-        total = seq.num_computed + n + (0 if seq.open else seq.req.sampling.max_tokens)
-        if not self.blocks.can_allocate(seq.req.request_id, total) or (
-                seq.slot < 0 and not seq.open and not self.penalties.num_free):
-            return False
-        self.blocks.allocate(seq.req.request_id, total)
-        if seq.slot < 0 and not seq.open:
-            seq.slot = self.penalties.acquire(seq.prompt_ids)
-        return True
-
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
-        """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
+        """What arrived admitted (its media through the encoders, all requests' at once), then the scheduler's
+        (seq, new tokens) for this step."""
         items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
         media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache)
@@ -138,31 +127,7 @@ class ThinkerStage(AsyncOutputStep):
         for piece in items:
             if isinstance(piece, PromptPiece) and not piece.request.aborted:
                 self.faults.run(piece.request, self._grow, piece)
-        # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
-        batch = [(s, 1) for s in self.running
-                 if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
-        budget = self.token_budget - len(batch)
-        for seq in [s for s in self.running if s.in_prefill]:
-            if budget <= 0 or len(batch) >= self.max_batch_size:
-                return batch
-            n = min(seq.rows_ready, budget)
-            if n > 0 and self._room(seq, n):
-                batch.append((seq, n))
-                budget -= n
-        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
-            seq = self.waiting[0]
-            take_prefix(self.blocks, seq, self.graph_tokens)
-            # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
-            # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
-            split = seq.rows_ready > budget and any(s.in_prefill for s, _ in batch)
-            if split or not self._room(seq, seq.rows_ready):
-                break
-            seq.req.mark("thinker_start")
-            self.running.append(self.waiting.popleft())
-            n = min(seq.rows_ready, budget)
-            batch.append((seq, n))
-            budget -= n
-        return batch
+        return self.scheduler.schedule()
 
     def _tokens(self, batch: list[tuple[ThinkerSeq, int]]) -> int:
         return sum(n for _, n in batch)
@@ -217,12 +182,4 @@ class ThinkerStage(AsyncOutputStep):
         req.part_done()
 
     def _release(self, seq: ThinkerSeq) -> None:
-        seq.released = True
-        if seq.slot >= 0:
-            self.penalties.release(seq.slot)
-            seq.slot = -1
-        self.blocks.release(seq.req.request_id)
-        if seq in self.running:
-            self.running.remove(seq)
-        if seq in self.waiting:
-            self.waiting.remove(seq)
+        self.scheduler.release(seq)

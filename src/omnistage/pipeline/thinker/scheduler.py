@@ -1,0 +1,77 @@
+"""The thinker's scheduler: which rows each step computes, over the admitted requests' `ThinkerSeq`s.
+
+Every running decode first (one row each, up to `max_batch_size`), then prefill chunks within the token
+budget: the running prompts' next chunks, then waiting prompts in arrival order (their cached prefix taken
+first). KV blocks and a penalty row are taken as a prompt is scheduled; `release` gives them back.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.penalty_table import PenaltyTable
+from omnistage.pipeline.thinker.prefix import take_prefix
+from omnistage.pipeline.thinker.seq import ThinkerSeq
+
+
+class ThinkerScheduler:
+    def __init__(self, blocks: BlockManager, penalties: PenaltyTable, max_batch_size: int, token_budget: int,
+                 graph_tokens: int) -> None:
+        """`graph_tokens`: the largest prompt the prefill graphs take whole (thinker/prefix.py)."""
+        self.blocks, self.penalties = blocks, penalties
+        self.max_batch_size, self.token_budget, self.graph_tokens = max_batch_size, token_budget, graph_tokens
+        self.waiting: deque[ThinkerSeq] = deque()
+        self.running: list[ThinkerSeq] = []
+
+    def room(self, seq: ThinkerSeq, n: int) -> bool:
+        """KV blocks for `n` more prompt rows (and, once the prompt is whole, its max_tokens) and, once
+        whole, a penalty row: a growing prompt takes them as it grows."""
+        total = seq.num_computed + n + (0 if seq.open else seq.req.sampling.max_tokens)
+        if not self.blocks.can_allocate(seq.req.request_id, total) or (
+                seq.slot < 0 and not seq.open and not self.penalties.num_free):
+            return False
+        self.blocks.allocate(seq.req.request_id, total)
+        if seq.slot < 0 and not seq.open:
+            seq.slot = self.penalties.acquire(seq.prompt_ids)
+        return True
+
+    def schedule(self) -> list[tuple[ThinkerSeq, int]]:
+        """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
+        # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
+        batch = [(s, 1) for s in self.running
+                 if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
+        budget = self.token_budget - len(batch)
+        for seq in [s for s in self.running if s.in_prefill]:
+            if budget <= 0 or len(batch) >= self.max_batch_size:
+                return batch
+            n = min(seq.rows_ready, budget)
+            if n > 0 and self.room(seq, n):
+                batch.append((seq, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
+            seq = self.waiting[0]
+            take_prefix(self.blocks, seq, self.graph_tokens)
+            # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
+            # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
+            split = seq.rows_ready > budget and any(s.in_prefill for s, _ in batch)
+            if split or not self.room(seq, seq.rows_ready):
+                break
+            seq.req.mark("thinker_start")
+            self.running.append(self.waiting.popleft())
+            n = min(seq.rows_ready, budget)
+            batch.append((seq, n))
+            budget -= n
+        return batch
+
+    def release(self, seq: ThinkerSeq) -> None:
+        """Its penalty row and KV blocks back; out of the queues."""
+        seq.released = True
+        if seq.slot >= 0:
+            self.penalties.release(seq.slot)
+            seq.slot = -1
+        self.blocks.release(seq.req.request_id)
+        if seq in self.running:
+            self.running.remove(seq)
+        if seq in self.waiting:
+            self.waiting.remove(seq)
