@@ -5,15 +5,8 @@ import json
 import pytest
 import yaml
 
-from omnistage.config import (
-    DEPLOY_DIR,
-    ConfigError,
-    DeployConfig,
-    StageConfig,
-    build_deploy_config,
-    default_deploy_config,
-    load_deploy_config,
-)
+from omnistage.config import DEPLOY_DIR, ConfigError, DeployConfig, StageConfig
+from omnistage.config_loader import build_deploy_config, default_deploy_config, load_deploy_config
 from omnistage.platform import current_platform, platform_from_name
 
 DEFAULT_YAML = DEPLOY_DIR / "qwen3_omni_moe.yaml"

@@ -11,7 +11,7 @@ import torch
 from conftest import hf_reference
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 
 MESSAGES = [
     [{"role": "system", "content": "You are a helpful voice."}, {"role": "user", "content": "Say hello to Paris."}],

@@ -16,7 +16,8 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from starlette.testclient import TestClient
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.server.app import create_app

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from omnistage.config import build_deploy_config
+from omnistage.config_loader import build_deploy_config
 
 from omnistage.server.launch import TINY_MODEL_NAME, LaunchError, add_serve_args, deploy_config, resolve_model
 

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from omnistage.config import DeployConfig, build_deploy_config
+from omnistage.config import DeployConfig
+from omnistage.config_loader import build_deploy_config
 from omnistage.models.qwen3_omni.prompt import PromptProcessor
 from omnistage.models.qwen3_omni.visual_processing import within
 

@@ -6,7 +6,7 @@ import pytest
 from media_samples import data_url, wav_bytes
 
 from omnistage import Omni
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.media import MediaError, MediaPolicy
 
 

@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import Qwen3OmniMoeConfig
 
-from omnistage.config import DEPLOY_DIR, ConfigError, load_deploy_config, resolve_deploy_config
+from omnistage.config import DEPLOY_DIR, ConfigError
+from omnistage.config_loader import load_deploy_config, resolve_deploy_config
 from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, load_config
 from omnistage.pipeline.placement.memory import (GiB, DeviceMemory, KVPlan, MemoryBudgetError, StageMemory,
                                                  check_weights, kv_summary, plan_kv, relative_shares)

@@ -13,7 +13,7 @@ import torch
 from conftest import hf_reference
 from mm_samples import TINY, TWO_TURNS, image, video
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.prompt import PromptInputs

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.layers.context import build_context, forward_context
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint

@@ -12,7 +12,7 @@ import pytest
 import torch
 from mm_samples import image, tone
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.prefix_hash import block_hashes
 from omnistage.entrypoints.omni import Omni

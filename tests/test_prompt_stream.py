@@ -20,7 +20,7 @@ import pytest
 import soundfile as sf
 import torch
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 

@@ -7,7 +7,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.server.errors import install_api_key, install_error_handlers, model_not_found
 from omnistage.server.protocol import (
     ChatCompletionRequest,

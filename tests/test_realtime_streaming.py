@@ -151,7 +151,8 @@ def test_ignore_eos_answers_are_exactly_the_caps(rt_server):
 
 
 def test_ignore_eos_reaches_the_thinker_and_the_talker():
-    from omnistage.config import DEPLOY_DIR, load_deploy_config
+    from omnistage.config import DEPLOY_DIR
+    from omnistage.config_loader import load_deploy_config
     from omnistage.server.realtime.events import ResponseParams
     from omnistage.server.realtime.settings import Resolved, initial, updated
 

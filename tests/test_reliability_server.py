@@ -16,7 +16,8 @@ import pytest
 from fastapi.testclient import TestClient
 from starlette.testclient import WebSocketDenialResponse
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.server.app import create_app

@@ -9,7 +9,7 @@ import time
 
 import httpx
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint

@@ -10,7 +10,8 @@ import pytest
 import soundfile as sf
 from fastapi.testclient import TestClient
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.outputs import SAMPLE_RATE, OutputDelta, Usage
 from omnistage.server.app import _stream, create_app
 from omnistage.server.audio_format import to_pcm16

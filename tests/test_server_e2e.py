@@ -15,7 +15,8 @@ from pathlib import Path
 import httpx
 import numpy as np
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.server.speech import SPEECH_SYSTEM_PROMPT
 from graph_helpers import packet_sizes
 from serve_process import MODEL, USER, samples, wav_samples

@@ -7,7 +7,8 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from omnistage.config import DEPLOY_DIR, load_deploy_config
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
 from omnistage.media import MediaError
 from omnistage.outputs import OutputDelta
 from omnistage.server.app import create_app

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.cuda_graph import StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.entrypoints.omni import Omni
 from omnistage.layers.attention import paged_decode_attention

@@ -10,7 +10,7 @@ import threading
 
 import torch
 
-from omnistage.config import default_deploy_config, load_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.pipeline.connector import Inbox

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from omnistage.config import DeployConfig, default_deploy_config, load_deploy_config
+from omnistage.config import DeployConfig
+from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
 from omnistage.media import MediaPolicy

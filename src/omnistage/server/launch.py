@@ -11,7 +11,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from omnistage.config import ConfigError, DeployConfig, load_deploy_config, resolve_deploy_config
+from omnistage.config import ConfigError, DeployConfig
+from omnistage.config_loader import load_deploy_config, resolve_deploy_config
 from omnistage.config_rules import PLACEMENTS
 from omnistage.pipeline.placement.memory import MemoryBudgetError
 from omnistage.platform import detect_platform
