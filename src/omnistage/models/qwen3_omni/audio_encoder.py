@@ -8,6 +8,7 @@ device tensors, a sync each (about 250 for a 5 s clip, more per clip of a batch)
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -27,9 +28,9 @@ def _layout(lens: list[int], n_window: int, n_window_infer: int) -> tuple[list[i
     windows' lengths (rows), for clips of `lens` frames."""
     chunk = n_window * 2
     chunks = [c for n in lens for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
-    after = [_after_cnn(c, n_window) for c in chunks]
-    width = max(after)
-    valid = [i * width + j for i, a in enumerate(after) for j in range(a)]
+    after = np.array([_after_cnn(c, n_window) for c in chunks])
+    width = int(after.max())
+    valid = np.flatnonzero(np.arange(width)[None] < after[:, None]).tolist()
     window = width * (n_window_infer // chunk)
     windows = []
     for n in lens:
