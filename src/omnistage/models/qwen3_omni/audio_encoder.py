@@ -14,13 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.models.qwen3_omni.encoder_attention import packed_attention
-
-
-def _after_cnn(frames: int, n_window: int) -> int:
-    """Rows after the convs for `frames` mel frames (transformers' `_get_feat_extract_output_lengths`)."""
-    rest = frames % (n_window * 2)
-    f = (rest - 1) // 2 + 1
-    return ((f - 1) // 2 + 1 - 1) // 2 + 1 + (frames // (n_window * 2)) * 13
+from omnistage.models.qwen3_omni.rope_index import audio_token_count
 
 
 def _layout(lens: list[int], n_window: int, n_window_infer: int) -> tuple[list[int], list[int], list[int]]:
@@ -28,13 +22,13 @@ def _layout(lens: list[int], n_window: int, n_window_infer: int) -> tuple[list[i
     windows' lengths (rows), for clips of `lens` frames."""
     chunk = n_window * 2
     chunks = [c for n in lens for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
-    after = np.array([_after_cnn(c, n_window) for c in chunks])
+    after = np.array([audio_token_count(c, n_window) for c in chunks])
     width = int(after.max())
     valid = np.flatnonzero(np.arange(width)[None] < after[:, None]).tolist()
     window = width * (n_window_infer // chunk)
     windows = []
     for n in lens:
-        rows = _after_cnn(n, n_window)
+        rows = audio_token_count(n, n_window)
         windows += [window] * (rows // window) + ([rows % window] if rows % window else [])
     return chunks, valid, windows
 

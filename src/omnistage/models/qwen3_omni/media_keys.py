@@ -1,6 +1,7 @@
 """Content keys of a prompt's media, made beside the processor (off the stage threads): one per item, over
 what decides its encoder rows (an audio's valid log-mel frames; an image's or a video's decoded 8-bit pixels
-with its processing options, 4-8x fewer bytes than the float patches made from them), for the encoder cache;
+with its processing options: for media within the pixel cap 4-8x fewer bytes than the float patches made
+from them), for the encoder cache;
 and each run of placeholders with the keys of the items it holds, for the prefix cache."""
 
 from __future__ import annotations

@@ -8,10 +8,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
+from omnistage.models.qwen3_omni.audio_encoder import audio_forward
 from omnistage.models.qwen3_omni.decoder import Deepstack
 from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
@@ -42,10 +42,8 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     rows = _cached(cache, keys)
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
-        width = max(items[i][2] for i in todo)
-        feats = torch.stack([F.pad(items[i][1], (0, width - items[i][2])) for i in todo])
-        mask = (torch.arange(width)[None] < torch.tensor([items[i][2] for i in todo])[:, None]).long()
-        out = thinker.encode_audio(feats.to(device, dtype), mask)
+        feats = torch.cat([items[i][1] for i in todo], dim=1)
+        out = audio_forward(thinker.audio_tower, feats.to(device, dtype), [items[i][2] for i in todo])
         n_window = thinker.audio_tower.config.n_window
         for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
             rows[i] = r
