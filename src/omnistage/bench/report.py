@@ -165,7 +165,7 @@ def _stage_lines(rows: list[dict]) -> list[str]:
 def _phase_lines(rows: list[dict]) -> list[str]:
     """Mean phase times of the rows that have them."""
     return _server_table(rows, "phases_ms", list(PHASES), lambda p: [[_cell(p, k, "{:.0f}") for k in PHASES]],
-                         "TTFP's parts (server side: mean ms from the request's arrival at the engine to the "
+                         "TTFP's parts (server side: mean ms from the server's engine client taking the request to the "
                          "first time it reached each phase, over the row's finished requests):")
 
 

@@ -8,6 +8,7 @@ wants audio); past the bound `generate` raises EngineOverloaded, so memory stays
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -71,10 +72,13 @@ class AsyncOmni:
         self.admission.enter()
 
         async def start() -> int:
+            received = time.perf_counter()
             req = await loop.run_in_executor(None, lambda: self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
                 sampling=sampling, talker_sampling=talker_sampling, emit=_emitter(loop, queue),
                 use_audio_in_video=use_audio_in_video))
+            req.arrival = received  # NOTE: its phases count from here, the prompt's processing (media) first
+            req.mark("prompt")
             self.admission.add_tokens(len(req.prompt.input_ids))
             self.engine.add_request(req)
             return len(req.prompt.input_ids)
