@@ -3,11 +3,12 @@ weights) per input shape, transformers' own forward with `sdpa` (one attention c
 syncs on the device's lengths and grids) against ours (`encode_audio` / `encode_visual`: host indices, one
 flash call per layer), with their outputs compared.
 
-    python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2] [--attention]
+    python scripts/encoder_bench.py --out FILE.json [--pressure-gb 2] [--attention] [--new-shapes]
 
 Per case and path: median wall ms of a synchronised call, and from one profiled call the kernels launched,
 their summed GPU ms, the host syncs and the six kernels of most GPU time. `--pressure-gb N` repeats the cases with only N GB of the GPU free
-(another tensor holds the rest, as the server's KV caches do).
+(another tensor holds the rest, as the server's KV caches do). `--new-shapes`: only the first, second and third call
+of each of several clip lengths and photo grids (what a shape costs the first time).
 """
 
 from __future__ import annotations
@@ -137,11 +138,33 @@ def attention_backends() -> dict:
     return out
 
 
+def _once(fn) -> float:
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return round((time.perf_counter() - t) * 1e3, 2)
+
+
+def new_shapes(tower: torch.nn.Module, visual: torch.nn.Module) -> dict:
+    """What an input shape costs the first time it is seen: wall ms of the first and the second call of our
+    forward per audio length (each a new conv batch) and per photo grid (a new patch count)."""
+    out = {}
+    cases = [(f"audio {s} s", _audio_calls(tower, [s])[1]) for s in (2, 3, 4, 6, 7, 9, 11, 13)]
+    cases += [(f"photo {g[1]}x{g[2]}", _visual_calls(visual, [g])[1]) for g in
+              ([1, 32, 32], [1, 24, 38], [1, 40, 26], [1, 28, 36], [1, 44, 80])]
+    for name, fn in cases:
+        out[name] = {"first_ms": _once(fn), "second_ms": _once(fn), "third_ms": _once(fn)}
+        print("new shape", name, json.dumps(out[name]), flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--pressure-gb", type=float, default=0)
     ap.add_argument("--attention", action="store_true", help="also time one layer's attention per backend")
+    ap.add_argument("--new-shapes", action="store_true", help="only the first calls of new input shapes")
     args = ap.parse_args()
     cfg = json.loads(FULL_SIZE_CONFIG.read_text())["thinker_config"]
     torch.manual_seed(0)
@@ -150,6 +173,9 @@ def main() -> None:
         visual = build_visual(cfg["vision_config"]).to(torch.bfloat16).eval()
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     with torch.inference_mode():
+        if args.new_shapes:
+            result["new_shapes"] = new_shapes(tower, visual)
+            return _write(args.out, result)
         if args.attention:
             result["attention"] = attention_backends()
         result["free"] = run("free", tower, visual)
@@ -159,7 +185,11 @@ def main() -> None:
             hog = torch.empty(int(free - args.pressure_gb * 2**30), dtype=torch.uint8, device="cuda")
             result[f"{args.pressure_gb:g} GB free"] = run("pressure", tower, visual)
             del hog
-    with open(args.out, "w") as f:
+    _write(args.out, result)
+
+
+def _write(path: str, result: dict) -> None:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
 
 

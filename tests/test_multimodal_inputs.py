@@ -1,6 +1,5 @@
 """Multimodal inputs: 3-D M-RoPE positions (`rope_index`) against transformers' `get_rope_index` on random
-prompt layouts, flat batch positions, the video patch layout against the video processor's, the
-processor's per-item options."""
+prompt layouts, flat batch positions, the processor's per-item options."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from test_thinker import thinker as thinker_module
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.presets import MM_IDS
 from omnistage.models.qwen3_omni.prompt import PromptProcessor
-from omnistage.models.qwen3_omni.visual_processing import video_patches
 from omnistage.models.qwen3_omni.rope_index import MRope, RopeSpec, audio_token_count, flat_positions, mrope_positions
 
 M = {k[:-9]: v for k, v in MM_IDS.items()}  # "audio", "image", "video", "vision_start", ...
@@ -99,21 +97,6 @@ def test_flat_positions() -> None:
     assert out[:, 0].tolist() == [5.0] * 3 and out[:, 5].tolist() == [0.0] * 3
     assert out[:, 1:3].tolist() == m.positions[:, 2:4].tolist()
     assert out[:, 3:5].tolist() == [[1.5, 2.5]] * 3  # past the prompt: index + delta
-
-
-@pytest.mark.parametrize("frames", [1, 4, 5])
-def test_video_patch_layout(frames: int) -> None:
-    """As transformers' Qwen2-VL video processor: (t, h/m, w/m, m, m) rows of (C, temporal, P, P)."""
-    c, tp, p, m, gh, gw = 3, 2, 4, 2, 4, 6
-    video = torch.from_numpy(np.random.default_rng(frames).standard_normal((frames, c, gh * p, gw * p),
-                                                                          dtype=np.float32))
-    # what the image processor writes for each frame: its own patches, repeated `temporal` times
-    per_frame = video.view(frames, c, gh // m, m, p, gw // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
-    per_frame = per_frame[..., None, :, :].expand(*per_frame.shape[:6], tp, p, p).reshape(frames * gh * gw, -1)
-    ours, t = video_patches(per_frame.numpy(), frames, tp, c, p)
-    padded = torch.cat([video, video[-1:].expand(-frames % tp, -1, -1, -1)])
-    ref = padded.view(t, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, -1)
-    assert t == -(-frames // tp) and np.array_equal(ours, ref.numpy())
 
 
 def test_processor_per_item_options() -> None:

@@ -52,16 +52,20 @@ def _layer(blk: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int,
     return h + blk.mlp(blk.norm2(h))
 
 
-def vision_forward(visual: nn.Module, pixels: torch.Tensor, grids: list[list[int]]
-                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """Patches `[sum(t*h*w), C*T*P*P]` of images / videos with `grids` (t, h, w) -> merged rows and one
-    DeepStack tensor per level."""
+def vision_layout(visual: nn.Module, grids: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       list[int]]:
+    """Host tensors of images / videos with `grids` (t, h, w): patch positions `[rows, 2]`, resampling indices
+    and weights into the learned position table `[rows, 4]`, and each frame's rows."""
     side, merge = int(visual.config.num_position_embeddings**0.5), visual.config.spatial_merge_size
     pos, index, weight = (torch.cat(x) for x in zip(*(_grid_layout(*g, merge, side) for g in grids)))
-    frames = [h * w for t, h, w in grids for _ in range(t)]
+    return pos, index, weight, [h * w for t, h, w in grids for _ in range(t)]
+
+
+def vision_blocks(visual: nn.Module, pixels: torch.Tensor, pos: torch.Tensor, index: torch.Tensor,
+                  weight: torch.Tensor, cu: torch.Tensor, longest: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Patches `[rows, C*T*P*P]` with `vision_layout`'s tensors (on their device) and the frames' boundaries
+    `cu` (int32) -> merged rows and one DeepStack tensor per level. No host sync."""
     device = pixels.device
-    pos, index, weight = (x.to(device, non_blocking=True) for x in (pos, index, weight))
-    cu = F.pad(torch.tensor(frames, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
     h = visual.patch_embed(pixels)
     h = h + (visual.pos_embed(index) * weight[:, :, None]).sum(1).to(h.dtype)
     freqs = pos[..., None].float() * visual.rotary_pos_emb.inv_freq.to(device=device, dtype=torch.float)
@@ -71,7 +75,18 @@ def vision_forward(visual: nn.Module, pixels: torch.Tensor, grids: list[list[int
     levels = list(visual.config.deepstack_visual_indexes)
     deepstack = []
     for i, blk in enumerate(visual.blocks):
-        h = _layer(blk, h, cu, max(frames), rope)
+        h = _layer(blk, h, cu, longest, rope)
         if i in levels:
             deepstack.append(visual.merger_list[levels.index(i)](h))
     return visual.merger(h), deepstack
+
+
+def vision_forward(visual: nn.Module, pixels: torch.Tensor, grids: list[list[int]]
+                   ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Patches `[sum(t*h*w), C*T*P*P]` of images / videos with `grids` (t, h, w) -> merged rows and one
+    DeepStack tensor per level."""
+    pos, index, weight, frames = vision_layout(visual, grids)
+    device = pixels.device
+    pos, index, weight = (x.to(device, non_blocking=True) for x in (pos, index, weight))
+    cu = F.pad(torch.tensor(frames, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    return vision_blocks(visual, pixels, pos, index, weight, cu, max(frames))

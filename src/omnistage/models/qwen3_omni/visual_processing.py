@@ -1,9 +1,10 @@
-"""Images and video frames -> vision-encoder patches through the checkpoint's image processor, without
+"""Images and video frames -> vision-encoder patches as the checkpoint's image processor makes them, without
 torchvision (transformers' Qwen2-VL video processor needs it; PyPI's torchvision does not import beside
-torch 2.13 CPU). The Pillow/numpy backend of the Qwen2-VL image processor (`Qwen2VLImageProcessorPil`, in
-transformers 5.17 and 5.24) resizes, rescales and normalises images AND every video frame; frames are then
-grouped `temporal_patch_size` at a time in the video processor's patch layout (`video_patches`), at the
-Qwen3-Omni processor's own video size (`processor_video_size`).
+torch 2.13 CPU). As the Pillow/numpy backend of the Qwen2-VL image processor (`Qwen2VLImageProcessorPil`, in
+transformers 5.17 and 5.24) does for images AND every video frame: Pillow's resize to whole merge blocks
+(`resized`), then its rescale, normalisation and patch layout, made in one pass by `visual_patches.PatchMaker`
+(equal to the processor's output); video frames grouped `temporal_patch_size` at a time in the video
+processor's patch layout, at the Qwen3-Omni processor's own video size (`processor_video_size`).
 NOTE: Pillow's bicubic resize differs slightly from torchvision's, which the video processor uses.
 """
 
@@ -14,6 +15,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from omnistage.models.qwen3_omni.visual_patches import PatchMaker
+
 
 def processor_video_size() -> dict[str, int]:
     """The video size the Qwen3-Omni processor passes to its video processor (over the checkpoint's video
@@ -23,19 +26,6 @@ def processor_video_size() -> dict[str, int]:
     own = getattr(m.Qwen3OmniMoeProcessor, "videos_kwargs", None) or m.Qwen3OmniMoeProcessorKwargs._defaults[
         "videos_kwargs"]
     return dict(own["size"])
-
-
-def video_patches(frame_patches: np.ndarray, num_frames: int, temporal: int, channels: int, patch: int
-                  ) -> tuple[np.ndarray, int]:
-    """Per-frame image patches `[F * N, C * temporal * P * P]` (each frame repeated `temporal` times,
-    as the image processor writes an image) -> video patches `[T * N, C * temporal * P * P]`, frames
-    grouped `temporal` at a time (the last frame repeated to fill the last group), and T."""
-    own = frame_patches.reshape(num_frames, -1, channels, temporal, patch, patch)[:, :, :, 0]
-    pad = -num_frames % temporal
-    own = np.concatenate([own, np.repeat(own[-1:], pad, 0)]) if pad else own
-    t = own.shape[0] // temporal
-    grouped = own.reshape(t, temporal, *own.shape[1:]).transpose(0, 2, 3, 1, 4, 5)
-    return np.ascontiguousarray(grouped.reshape(t * own.shape[1], -1)), t
 
 
 def frame_budget(options: dict[str, Any], num_frames: int, temporal: int, size: dict[str, int]
@@ -71,32 +61,33 @@ class VisualProcessor:
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
+        self.patches = PatchMaker(self.image_processor)
         self.video_size = processor_video_size()
         self.merge_size = self.image_processor.merge_size
         self.limits = limits or {}
 
-    def pixels(self, images: list[Any], options: dict[str, Any], default_size: dict[str, int]) -> dict[str, Any]:
-        """The image processor's output (numpy) for `images` of one item, at its size options."""
-        size = dict(default_size)
-        size.update({k: options[o] for k, o in (("shortest_edge", "min_pixels"), ("longest_edge", "max_pixels"))
-                     if o in options})
-        kw: dict[str, Any] = {"size": size}
-        if "resized_height" in options and "resized_width" in options:
-            from PIL import Image
-            from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+    def resized(self, image: Any, options: dict[str, Any], default_size: dict[str, int]) -> np.ndarray:
+        """An image (PIL, or `[H, W, 3]` uint8) resized as the image processor resizes it at the item's size
+        options (a fixed `resized_height` x `resized_width` to whole merge blocks): `[H', W', 3]` uint8."""
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
-            ip = self.image_processor
-            h, w = smart_resize(options["resized_height"], options["resized_width"], ip.patch_size * ip.merge_size)
-            images = [Image.fromarray(np.asarray(im)).resize((w, h), Image.Resampling.BICUBIC) for im in images]
-            kw["do_resize"] = False
-        return self.image_processor(images=images, return_tensors="np", **kw)
+        ip = self.image_processor
+        im = image if isinstance(image, Image.Image) else Image.fromarray(np.asarray(image))
+        factor = ip.patch_size * ip.merge_size
+        if "resized_height" in options and "resized_width" in options:
+            h, w = smart_resize(options["resized_height"], options["resized_width"], factor)
+        else:
+            h, w = smart_resize(im.height, im.width, factor, options.get("min_pixels", default_size["shortest_edge"]),
+                                options.get("max_pixels", default_size["longest_edge"]))
+        return np.asarray(im.resize((w, h), ip.resample))
 
     def images(self, images: list[Any], options: list[dict[str, Any]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(pixel_values [patches, C * T * P * P], image_grid_thw [n, 3])."""
-        cap = self.limits.get("image", {})
-        done = [self.pixels([im], within(opt, cap), self.image_processor.size) for im, opt in zip(images, options)]
-        return (torch.from_numpy(np.concatenate([d["pixel_values"] for d in done])),
-                torch.from_numpy(np.concatenate([d["image_grid_thw"] for d in done])))
+        cap, p = self.limits.get("image", {}), self.image_processor.patch_size
+        rgb = [self.resized(im, within(opt, cap), self.image_processor.size) for im, opt in zip(images, options)]
+        return (torch.from_numpy(np.concatenate([self.patches.image(x) for x in rgb])),
+                torch.tensor([[1, x.shape[0] // p, x.shape[1] // p] for x in rgb]))
 
     def videos(self, videos: list[Any], options: list[dict[str, Any]]
                ) -> tuple[torch.Tensor, torch.Tensor, list[float]]:
@@ -104,11 +95,11 @@ class VisualProcessor:
         `frames` [T, H, W, 3] uint8 at `fps` (1 when unknown, as the processor assumes)."""
         ip, patches, grids = self.image_processor, [], []
         for video, opt in zip(videos, options):
-            frames, opt = list(video.frames), within(opt, self.limits.get("video", {}))
-            done = self.pixels(frames, frame_budget(opt, len(frames), ip.temporal_patch_size, self.video_size),
-                              self.video_size)
-            p, t = video_patches(done["pixel_values"], len(frames), ip.temporal_patch_size, 3, ip.patch_size)
+            opt = frame_budget(within(opt, self.limits.get("video", {})), len(video.frames), ip.temporal_patch_size,
+                               self.video_size)
+            frames = np.stack([self.resized(f, opt, self.video_size) for f in video.frames])
+            p, t = self.patches.video(frames)
             patches.append(p)
-            grids.append([t, *done["image_grid_thw"][0, 1:].tolist()])
+            grids.append([t, frames.shape[1] // ip.patch_size, frames.shape[2] // ip.patch_size])
         seconds = [ip.temporal_patch_size / (v.fps or 1.0) for v in videos]
         return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids), seconds

@@ -57,6 +57,7 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
         return
     if isinstance(stage, ThinkerStage):
         warm_encoders(stage.thinker, stage.device, stage.dtype)
+        stage.vision.capture()
     if isinstance(stage, Code2WavStage):
         stage.runner.capture()
         return

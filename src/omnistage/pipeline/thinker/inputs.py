@@ -19,6 +19,7 @@ from omnistage.models.qwen3_omni.rope_index import RopeSpec, audio_token_count, 
 from omnistage.pipeline.faults import together
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache, join_visual, split_visual
 from omnistage.pipeline.thinker.seq import ThinkerSeq
+from omnistage.pipeline.thinker.vision_graph import VisionGraphRunner
 
 
 def _keys(p: PromptInputs, kind: str, n: int) -> tuple[bytes | None, ...]:
@@ -53,9 +54,21 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     return [torch.cat(r) if r else None for r in per]
 
 
+def _visual_rows(thinker: torch.nn.Module, pixels: list[torch.Tensor], grids: list[torch.Tensor],
+                 device: torch.device, vision: VisionGraphRunner | None) -> VisualEmbeds:
+    """The items' rows: one eager vision-encoder call, or runs of `vision` (an item too large for one eagerly)."""
+    if vision is None:
+        return thinker.encode_visual(torch.cat(pixels).to(device), torch.stack(grids))
+    lists, parts = [g.tolist() for g in grids], []
+    for run in vision.groups(lists):
+        px, gs = torch.cat([pixels[j] for j in run]), [lists[j] for j in run]
+        parts.append(vision.run(px, gs) if vision.fits(gs) else thinker.encode_visual(px.to(device), torch.tensor(gs)))
+    return join_visual(parts)
+
+
 def _encode_visual(thinker: torch.nn.Module, pixels: list[torch.Tensor | None], grids: list[torch.Tensor | None],
-                   keys: list[tuple[bytes | None, ...]], device: torch.device,
-                   cache: EncoderCache | None) -> list[VisualEmbeds | None]:
+                   keys: list[tuple[bytes | None, ...]], device: torch.device, cache: EncoderCache | None,
+                   vision: VisionGraphRunner | None) -> list[VisualEmbeds | None]:
     """Merged rows and DeepStack rows per prompt (None without this media): the items no cache holds in one
     vision-encoder call."""
     merge = thinker.visual.spatial_merge_size**2
@@ -67,8 +80,7 @@ def _encode_visual(thinker: torch.nn.Module, pixels: list[torch.Tensor | None], 
     rows = _cached(cache, flat_keys)
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
-        enc = thinker.encode_visual(torch.cat([items[i][1] for i in todo]).to(device),
-                                    torch.stack([items[i][2] for i in todo]))
+        enc = _visual_rows(thinker, [items[i][1] for i in todo], [items[i][2] for i in todo], device, vision)
         for i, r in zip(todo, split_visual(enc, [int(items[i][2].prod()) // merge for i in todo])):
             rows[i] = r
             if cache is not None:
@@ -81,22 +93,26 @@ Media = tuple[torch.Tensor | None, VisualEmbeds | None, VisualEmbeds | None]  # 
 
 
 def encode_media(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                 dtype: torch.dtype, cache: EncoderCache | None = None) -> list[Media]:
+                 dtype: torch.dtype, cache: EncoderCache | None = None,
+                 vision: VisionGraphRunner | None = None) -> list[Media]:
     """Encoder rows of each prompt; each kind of media of all prompts in one encoder call (what `cache`
-    holds is not encoded again)."""
+    holds is not encoded again; images and videos in runs of `vision`'s graphs where given)."""
     audios = _encode_audio(thinker, prompts, device, dtype, cache)
     images = _encode_visual(thinker, [p.pixel_values for p in prompts], [p.image_grid_thw for p in prompts],
-                            [_keys(p, "images", _count(p.image_grid_thw)) for p in prompts], device, cache)
+                            [_keys(p, "images", _count(p.image_grid_thw)) for p in prompts], device, cache, vision)
     videos = _encode_visual(thinker, [p.pixel_values_videos for p in prompts], [p.video_grid_thw for p in prompts],
-                            [_keys(p, "videos", _count(p.video_grid_thw)) for p in prompts], device, cache)
+                            [_keys(p, "videos", _count(p.video_grid_thw)) for p in prompts], device, cache, vision)
     return list(zip(audios, images, videos))
 
 
 def warm_encoders(thinker: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Run the audio tower (a 5 s clip) and the vision encoder (a 640 x 480 photo, a 4-frame 320 x 240 video)
-    once, at start, so that the first media request does not pay their first calls."""
+    """Run the audio tower (clips of 1, 2, 4, ... 64 s: every conv batch up to 64 chunks, see `audio_forward`)
+    and the vision encoder (a 640 x 480 photo, a 4-frame 320 x 240 video) once, at start, so that the first
+    media request does not pay their first calls."""
     mels = thinker.audio_tower.config.num_mel_bins
-    thinker.encode_audio(torch.zeros(1, mels, 500, device=device, dtype=dtype), torch.ones(1, 500, dtype=torch.long))
+    for frames in (100 << k for k in range(7)):
+        thinker.encode_audio(torch.zeros(1, mels, frames, device=device, dtype=dtype),
+                             torch.ones(1, frames, dtype=torch.long))
     v = thinker.visual.config
     for grid in ([1, 30, 40], [2, 16, 20]):
         rows = grid[0] * grid[1] * grid[2]
@@ -110,10 +126,11 @@ def _count(grids: torch.Tensor | None) -> int:
 
 
 def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                    dtype: torch.dtype, cache: EncoderCache | None = None) -> list[Media] | None:
+                    dtype: torch.dtype, cache: EncoderCache | None = None,
+                    vision: VisionGraphRunner | None = None) -> list[Media] | None:
     """`encode_media` for several prompts at once; None for a single prompt or when it fails (each
     request is then encoded alone, so that only the one at fault fails)."""
-    return together(encode_media, thinker, prompts, device, dtype, cache) if len(prompts) > 1 else None
+    return together(encode_media, thinker, prompts, device, dtype, cache, vision) if len(prompts) > 1 else None
 
 
 def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:

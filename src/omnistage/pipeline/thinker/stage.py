@@ -27,6 +27,7 @@ from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
 from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
+from omnistage.pipeline.thinker.vision_graph import VISION_FRAMES, VISION_ROWS, VisionGraphRunner
 
 
 class ThinkerStage(AsyncOutputStep):
@@ -41,7 +42,7 @@ class ThinkerStage(AsyncOutputStep):
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
-        padding rows.
+        padding rows; images and videos through `VisionGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks."""
@@ -53,7 +54,9 @@ class ThinkerStage(AsyncOutputStep):
         self.penalties = PenaltyTable(max_batch_size, thinker.lm_head.out_features, p.device)
         self.runner: ThinkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
+        self.vision: VisionGraphRunner | None = None
         if cuda_graph:
+            self.vision = VisionGraphRunner(thinker.visual, VISION_ROWS, VISION_FRAMES, self.device)
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
@@ -96,7 +99,8 @@ class ThinkerStage(AsyncOutputStep):
 
     def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
-        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache)[0]
+        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache,
+                                      self.vision)[0]
         seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
         req.mark("encoded")
         seq.open = req.growing
@@ -120,7 +124,8 @@ class ThinkerStage(AsyncOutputStep):
         (seq, new tokens) for this step."""
         items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
-        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache)
+        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache,
+                                self.vision)
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
