@@ -122,3 +122,20 @@ def test_num_frames_refused(options, total):
 ])
 def test_errors_name_the_item(part, needle):
     check_error(user("Look:", part), needle, use_audio_in_video=True)
+
+
+def test_the_warm_up_message_takes_every_media_path(caplog):
+    from omnistage.media.warm import warm_message
+    from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+    from omnistage.models.qwen3_omni.prompt import PromptProcessor
+    from omnistage.server.launch import warm_media
+
+    message = warm_message()
+    items = to_conversation([message], None, use_audio_in_video=True)
+    assert [len(items.audios), len(items.images), len(items.videos)] == [2, 1, 1]  # the clip, the video's track
+    assert items.videos[0].frames.shape == (8, 240, 320, 3) and 64000 <= items.videos[0].audio.size <= 65100  # aac pads
+    assert items.images[0].size == (640, 480) and items.audios[0].size == 64000 and np.abs(items.audios[0]).max() > 0.05  # 24 kHz resampled
+    processor = PromptProcessor(tiny_checkpoint("tiny"))
+    with caplog.at_level("INFO", logger="omnistage.serve"):
+        warm_media(processor)
+    assert "media path warmed" in caplog.text and "failed" not in caplog.text
