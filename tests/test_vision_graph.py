@@ -75,24 +75,3 @@ def test_admission_through_the_runner_equals_the_eager_encoder() -> None:
     for a, b in zip(ours[1:], ref[1:]):
         for x, y in [(a.embeds, b.embeds), *zip(a.deepstack, b.deepstack)]:
             torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
-
-
-def test_a_step_admits_up_to_its_vision_rows() -> None:
-    from omnistage.engine.request import Request
-    from omnistage.models.qwen3_omni.prompt import PromptInputs
-    from omnistage.pipeline.thinker.growth import PromptPiece
-    from omnistage.pipeline.thinker.scheduler import arrived
-    from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
-
-    def req(rows: int, video_rows: int = 0) -> Request:
-        p = PromptInputs([1], pixel_values=torch.zeros(rows, 2) if rows else None,
-                         pixel_values_videos=torch.zeros(video_rows, 2) if video_rows else None)
-        return Request(f"r{rows}-{video_rows}", p, SamplingParams(), TalkerSamplingParams(), 0, lambda d: None)
-
-    text, a, b, c, big = req(0), req(3000), req(2000, 2000), req(1500), req(9000)
-    piece = PromptPiece.__new__(PromptPiece)  # a growing prompt's next piece: no media of its own
-    assert arrived([text, a, b, piece, c], 8192) == ([text, a, b, piece], [c])  # 3000 + 4000 + 1500 > 8192
-    assert arrived([c], 8192) == ([c], [])
-    assert arrived([big, text], 8192) == ([big], [text])  # one past the budget alone still goes
-    assert arrived([text, big], 8192) == ([text], [big])
-    assert arrived([], 8192) == ([], [])

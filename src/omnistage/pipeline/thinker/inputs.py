@@ -121,11 +121,6 @@ def warm_encoders(thinker: torch.nn.Module, device: torch.device, dtype: torch.d
                               torch.tensor([grid]))
 
 
-def visual_rows(p: PromptInputs) -> int:
-    """Patch rows of the prompt's images and videos (the vision encoder's work)."""
-    return sum(x.shape[0] for x in (p.pixel_values, p.pixel_values_videos) if x is not None)
-
-
 def _count(grids: torch.Tensor | None) -> int:
     return 0 if grids is None else grids.shape[0]
 

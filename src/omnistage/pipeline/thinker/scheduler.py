@@ -2,19 +2,15 @@
 
 Every running decode first (one row each, up to `max_batch_size`), then prefill chunks within the token
 budget: the running prompts' next chunks, then waiting prompts in arrival order (their cached prefix taken
-first). KV blocks and a penalty row are taken as a prompt is scheduled; `release` gives them back. Before
-that, `arrived` admits what came up to a step's vision-encoder budget.
+first). KV blocks and a penalty row are taken as a prompt is scheduled; `release` gives them back.
 """
 
 from __future__ import annotations
 
 from collections import deque
-from typing import Any
 
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.penalty_table import PenaltyTable
-from omnistage.engine.request import Request
-from omnistage.pipeline.thinker.inputs import visual_rows
 from omnistage.pipeline.thinker.prefix import take_prefix
 from omnistage.pipeline.thinker.seq import ThinkerSeq
 
@@ -79,15 +75,3 @@ class ThinkerScheduler:
             self.running.remove(seq)
         if seq in self.waiting:
             self.waiting.remove(seq)
-
-
-def arrived(items: list[Any], vision_rows: int) -> tuple[list[Any], list[Any]]:
-    """What arrived (requests and prompt pieces, in order) -> (what a step admits: items up to `vision_rows`
-    patch rows of images and videos, at least one; the rest, for the next step), so that the vision encoder's
-    work spreads over the steps and the running streams keep their pace."""
-    rows = 0
-    for i, item in enumerate(items):
-        rows += visual_rows(item.prompt) if isinstance(item, Request) else 0
-        if rows > vision_rows and i > 0:
-            return items[:i], items[i:]
-    return items, []

@@ -24,7 +24,7 @@ from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
-from omnistage.pipeline.thinker.scheduler import ThinkerScheduler, arrived
+from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 from omnistage.pipeline.thinker.vision_graph import VISION_FRAMES, VISION_ROWS, VisionGraphRunner
@@ -38,15 +38,14 @@ class ThinkerStage(AsyncOutputStep):
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
-                 encoder_cache_bytes: int = 0, vision_rows_per_step: int = 8192) -> None:
+                 encoder_cache_bytes: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
         padding rows; images and videos through `VisionGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
-        again for the accept-layer rows kept beside cached prefix blocks. `vision_rows_per_step`: the image and
-        video patch rows a step admits (see `scheduler.arrived`)."""
+        again for the accept-layer rows kept beside cached prefix blocks."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = next(thinker.parameters())
         self.device, self.dtype = p.device, p.dtype
@@ -73,8 +72,6 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
-        self.deferred: list[Request | PromptPiece] = []  # arrived past a step's vision budget (`arrived`)
-        self.vision_rows_per_step = vision_rows_per_step
         self.scheduler = ThinkerScheduler(self.blocks, self.penalties, max_batch_size, max_num_batched_tokens,
                                           self.graph_tokens)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
@@ -98,7 +95,7 @@ class ThinkerStage(AsyncOutputStep):
 
     @property
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.deferred)
+        return len(self.waiting) + len(self.running)
 
     def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
@@ -125,7 +122,7 @@ class ThinkerStage(AsyncOutputStep):
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """What arrived admitted (its media through the encoders, all requests' at once), then the scheduler's
         (seq, new tokens) for this step."""
-        items, self.deferred = arrived(self.deferred + self.inbox.drain(), self.vision_rows_per_step)
+        items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
         media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache,
                                 self.vision)
