@@ -125,10 +125,9 @@ def test_errors_name_the_item(part, needle):
 
 
 def test_the_warm_up_message_takes_every_media_path(caplog):
-    from omnistage.media.warm import warm_message
+    from omnistage.media.warm import warm_media, warm_message
     from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
     from omnistage.models.qwen3_omni.prompt import PromptProcessor
-    from omnistage.server.launch import warm_media
 
     message = warm_message()
     items = to_conversation([message], None, use_audio_in_video=True)
@@ -136,6 +135,10 @@ def test_the_warm_up_message_takes_every_media_path(caplog):
     assert items.videos[0].frames.shape == (8, 240, 320, 3) and 64000 <= items.videos[0].audio.size <= 65100  # aac pads
     assert items.images[0].size == (640, 480) and items.audios[0].size == 64000 and np.abs(items.audios[0]).max() > 0.05  # 24 kHz resampled
     processor = PromptProcessor(tiny_checkpoint("tiny"))
-    with caplog.at_level("INFO", logger="omnistage.serve"):
+    with caplog.at_level("INFO", logger="omnistage.media.warm"):
         warm_media(processor)
     assert "media path warmed" in caplog.text and "failed" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="omnistage.media.warm"):
+        warm_media(lambda *a, **k: 1 / 0)  # a failing warm-up is logged, serving goes on
+    assert "warm-up failed" in caplog.text

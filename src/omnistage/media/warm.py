@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import base64
 import io
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -16,6 +19,7 @@ from PIL import Image
 # NOTE: common sizes: the first large arrays also pay the allocator's first page faults (a 4 s video's patches:
 # 24 ms of its first np.take on the 2-core CPU)
 RATE, SECONDS, FPS = 24000, 4.0, 4
+logger = logging.getLogger(__name__)
 PHOTO, FRAME = (480, 640), (240, 320)
 
 
@@ -67,3 +71,15 @@ def warm_message() -> dict[str, Any]:
     if (video := _video()) is not None:
         parts.append({"type": "video_url", "video_url": {"url": _url("video/mp4", video)}})
     return {"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}
+
+
+def warm_media(process: Callable[..., Any]) -> None:
+    """`process` (a prompt processor: messages, use_audio_in_video) over `warm_message` once; a failure is logged,
+    not raised (the first media request then pays the first uses)."""
+    start = time.perf_counter()
+    try:
+        process([warm_message()], use_audio_in_video=True)
+    except Exception:  # noqa: BLE001 - a warm-up: serving goes on
+        logger.warning("the media warm-up failed; the first media request pays the first uses", exc_info=True)
+        return
+    logger.info("media path warmed in %.2f s", time.perf_counter() - start)

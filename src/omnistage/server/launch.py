@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from omnistage.config import ConfigError, DeployConfig
 from omnistage.config_loader import load_deploy_config, resolve_deploy_config
 from omnistage.config_rules import PLACEMENTS
+from omnistage.media.warm import warm_media
 from omnistage.pipeline.placement.memory import MemoryBudgetError
 from omnistage.platform import detect_platform
 from omnistage.server.media_args import add_media_args
@@ -23,7 +24,6 @@ if TYPE_CHECKING:
     from fastapi import FastAPI
 
     from omnistage.entrypoints.async_omni import AsyncOmni
-    from omnistage.models.qwen3_omni.prompt import PromptProcessor
 
 logger = logging.getLogger("omnistage.serve")
 
@@ -154,7 +154,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
                            load_format=args.load_format, media_policy=policy)
     except MemoryBudgetError as e:
         raise LaunchError(str(e)) from None
-    warm_media(engine.engine.processor)
+    warm_media(engine.engine.processor)  # NOTE: so that the first media request pays no first uses
     voices = engine.engine.voices
     logger.info("voices: %s", ", ".join(voices) or "none (no audio output: a thinker-only checkpoint)")
     info = {"root": str(source.path), "random_weights": source.random_weights, "voices": voices,
@@ -164,19 +164,6 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
     app = create_app(engine, source.name, deploy, voices, api_key=args.api_key, model_info=info,
                      max_body_bytes=args.max_body_bytes, media_policy=policy)
     return app, engine
-
-
-def warm_media(processor: PromptProcessor) -> None:
-    """The media path once (media/warm.py), so that the first request of each kind pays no first uses."""
-    from omnistage.media.warm import warm_message
-
-    start = time.perf_counter()
-    try:
-        processor([warm_message()], use_audio_in_video=True)
-    except Exception:  # noqa: BLE001 - a warm-up: serving goes on, the first media request pays instead
-        logger.warning("the media warm-up failed; the first media request pays the first uses", exc_info=True)
-        return
-    logger.info("media path warmed in %.2f s", time.perf_counter() - start)
 
 
 def serve(args: argparse.Namespace) -> None:
