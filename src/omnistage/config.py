@@ -91,7 +91,9 @@ class DeployConfig:
     (0: none); both count against the device's memory budget as activations do.
     `mm_processor_kwargs`: pixel limits of images and video frames ({"image" / "video": {"min_pixels",
     "max_pixels", "total_pixels"}}; requests' own knobs apply within them): by default an image is at most
-    1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844)."""
+    1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844).
+    `mm_processor_workers`: chat requests' prompts (media decoding, features, patches) are processed in that many
+    worker processes (pipeline/processor_pool.py); 0 (default): in the engine client's threads."""
 
     stages: Stages = r.sub(Stages)
     connector: ConnectorConfig = r.sub(ConnectorConfig)
@@ -107,6 +109,7 @@ class DeployConfig:
     encoder_cache_mb: int = r.opt(512, r.non_negative_int)
     mm_processor_kwargs: dict = field(default_factory=lambda: {"image": {"max_pixels": 1280 * 32 * 32}},
                                       metadata={"check": r.mm_limits})
+    mm_processor_workers: int = r.opt(0, r.non_negative_int)
 
     def stage(self, name: str) -> StageConfig:
         return getattr(self.stages, name)

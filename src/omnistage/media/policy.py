@@ -13,6 +13,9 @@ class MediaError(ValueError):
         super().__init__(message)
         self.param = param
 
+    def __reduce__(self) -> tuple:  # NOTE: `param` survives pickling (from a prompt-processing worker)
+        return type(self), (str(self), self.param)
+
 
 @dataclass(frozen=True)
 class MediaPolicy:

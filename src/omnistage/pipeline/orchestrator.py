@@ -25,6 +25,7 @@ from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.input_checks import check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
 from omnistage.pipeline.placement.router import Router
+from omnistage.pipeline.processor_pool import ProcessorPool
 from omnistage.pipeline.prompt_stream import PromptStream, open_stream
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
@@ -40,6 +41,9 @@ class Orchestrator:
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         self.processor = PromptProcessor(model_dir, media_policy, self.deploy.mm_processor_kwargs)
+        workers = self.deploy.mm_processor_workers
+        self.process: PromptProcessor | ProcessorPool = ProcessorPool(
+            model_dir, media_policy, self.deploy.mm_processor_kwargs, workers) if workers else self.processor
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
@@ -106,7 +110,7 @@ class Orchestrator:
         if (messages is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of messages and prompt_token_ids")
         prompt = (PromptInputs(list(prompt_token_ids)) if messages is None
-                  else self.processor(check_text(messages), use_audio_in_video))
+                  else self.process(check_text(messages), use_audio_in_video))
         sp = from_dict(SamplingParams, sampling)
         tp = from_dict(TalkerSamplingParams, talker_sampling)
         check_int64(sp, tp)
@@ -214,4 +218,6 @@ class Orchestrator:
         """Stops the workers; the engine's memory can then be freed (atexit no longer holds it)."""
         for h in self.stages:
             h.stop()
+        if isinstance(self.process, ProcessorPool):
+            self.process.close()
         atexit.unregister(self.shutdown)

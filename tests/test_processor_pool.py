@@ -1,0 +1,85 @@
+"""Prompt processing in worker processes (`ProcessorPool`, deploy `mm_processor_workers`): the same prompt as the
+in-process processor, media errors with their message and item, a dead worker's pool started again, and the
+engine's chat requests through it."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+from media_samples import data_url, mp4_bytes, png_bytes, wav_bytes
+
+from omnistage.media import MediaError
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
+from omnistage.pipeline.processor_pool import ProcessorPool
+
+MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [
+    {"type": "input_audio", "input_audio": {"data": data_url(wav_bytes(1.5, 24000), "x").split(",")[1],
+                                            "format": "wav"}},
+    {"type": "image_url", "image_url": {"url": data_url(png_bytes(70, 50), "image/png")}},
+    {"type": "video_url", "video_url": {"url": data_url(mp4_bytes(20, 10, audio_seconds=2.0), "video/mp4")}},
+    {"type": "text", "text": "What is this?"}]}]
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = ProcessorPool(tiny_checkpoint("tiny"), None, {"image": {"max_pixels": 64 * 64}}, 2)
+    yield p
+    p.close()
+
+
+def assert_same(a: PromptInputs, b: PromptInputs) -> None:
+    assert a.input_ids == b.input_ids and a.media_keys == b.media_keys
+    for name in ("input_features", "feature_attention_mask", "pixel_values", "image_grid_thw", "pixel_values_videos",
+                 "video_grid_thw", "video_second_per_grid"):
+        x, y = getattr(a, name), getattr(b, name)
+        assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
+
+
+def test_the_same_prompt_as_in_process(pool: ProcessorPool) -> None:
+    local = PromptProcessor(tiny_checkpoint("tiny"), None, {"image": {"max_pixels": 64 * 64}})
+    for use_audio_in_video in (False, True):
+        ours = pool(MESSAGES, use_audio_in_video)
+        assert ours.pixel_values is not None and ours.pixel_values_videos is not None
+        assert_same(ours, local(MESSAGES, use_audio_in_video))
+
+
+def test_media_errors_keep_their_message_and_item(pool: ProcessorPool) -> None:
+    bad = [{"role": "user", "content": [{"type": "text", "text": "see"},
+                                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
+    with pytest.raises(MediaError) as e:
+        pool(bad)
+    assert e.value.param == "messages[0].content[1]" and "image" in str(e.value)
+
+
+def test_a_dead_worker_is_replaced(pool: ProcessorPool) -> None:
+    before = pool._pool
+    pool(MESSAGES)  # every worker up
+    for pid in list(before._processes):
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while not before._broken and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert before._broken
+    assert pool(MESSAGES).pixel_values is not None and pool._pool is not before  # went again on a new pool
+
+
+def test_the_engine_processes_chat_prompts_in_workers() -> None:
+    from omnistage.config_loader import default_deploy_config, load_deploy_config
+    from omnistage.entrypoints.omni import Omni
+
+    d = tiny_checkpoint("tiny")
+    deploy = load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"mm_processor_workers": 1})
+    omni = Omni(d, deploy=deploy, device="cpu")
+    try:
+        assert isinstance(omni.engine.process, ProcessorPool)
+        req = omni.engine.make_request("w", MESSAGES, None, want_audio=False, voice=None,
+                                       sampling={"temperature": 0, "max_tokens": 2}, talker_sampling={},
+                                       emit=lambda d: None)
+        assert_same(req.prompt, omni.engine.processor(MESSAGES))
+    finally:
+        omni.engine.shutdown()
