@@ -27,3 +27,16 @@ def check_text(value: Any) -> Any:
         for v in value.values() if isinstance(value, dict) else value:
             check_text(v)
     return value
+
+
+def check_fits(prompt_tokens: int, sampling: Any, talker_sampling: Any, thinker_rows: int,
+               talker_rows: int | None) -> None:
+    """The prompt and what it asks for fit one request's KV cache: the thinker's (prompt + max_tokens) and, when
+    the talker runs for it (`talker_rows`), the talker's (prompt + its 9 assistant rows + max_frames)."""
+    need = prompt_tokens + sampling.max_tokens
+    if need > thinker_rows:
+        raise ValueError(f"prompt ({prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {need} "
+                         f"exceeds the thinker's KV cache ({thinker_rows} tokens)")
+    if talker_rows is not None and prompt_tokens + 9 + talker_sampling.max_frames > talker_rows:
+        raise ValueError(f"max_frames ({talker_sampling.max_frames}) with this prompt exceeds the talker's KV cache "
+                         f"({talker_rows} rows)")

@@ -22,7 +22,7 @@ from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError
-from omnistage.pipeline.input_checks import check_int64, check_text
+from omnistage.pipeline.input_checks import check_fits, check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
 from omnistage.pipeline.placement.router import Router
 from omnistage.pipeline.processor_pool import ProcessorPool
@@ -119,14 +119,8 @@ class Orchestrator:
             raise ValueError(NO_AUDIO_OUTPUT)
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
-        need, room = len(prompt.input_ids) + sp.max_tokens, self.stages.thinker.kv_capacity
-        if need > room:
-            raise ValueError(f"prompt ({len(prompt.input_ids)} tokens) + max_tokens ({sp.max_tokens}) = {need} "
-                             f"exceeds the thinker's KV cache ({room} tokens)")
-        talker = self.stages.talkers[0] if self.stages.talkers else None
-        if want_audio and talker and len(prompt.input_ids) + 9 + tp.max_frames > talker.kv_capacity:
-            raise ValueError(f"max_frames ({tp.max_frames}) with this prompt exceeds the talker's KV cache "
-                             f"({talker.kv_capacity} rows)")
+        talker = self.stages.talkers[0] if want_audio and self.stages.talkers else None
+        check_fits(len(prompt.input_ids), sp, tp, self.stages.thinker.kv_capacity, talker and talker.kv_capacity)
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
 
     def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,
