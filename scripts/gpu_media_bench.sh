@@ -15,7 +15,8 @@
 # Small scale on the CPU (~3 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 BENCH_K=1 BENCH_MAX_TOKENS=4 \
 #   BENCH_MAX_FRAMES=6 BENCH_WARMUP=1 BENCH_PYTHON=/work/main/.venv/bin/python OUT=/tmp/mmbench scripts/gpu_media_bench.sh
-# Other knobs: BENCH_WORKLOADS (the media workloads, space-separated), BENCH_SEED, BENCH_PORT, BENCH_STAGE_OVERRIDES.
+# Other knobs: BENCH_WORKLOADS (the media workloads, space-separated), BENCH_SEED, BENCH_PORT, BENCH_STAGE_OVERRIDES,
+# BENCH_DEPLOY_OVERRIDES (e.g. '{"mm_processor_workers": 8}').
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=540

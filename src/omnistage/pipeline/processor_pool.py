@@ -7,6 +7,9 @@ c = 64 a 4 s video's `prompt` phase is 0.7 s against 0.08 s at c = 1, benchmarks
 spawned (the serving process has CUDA and threads: no fork), each answers `PromptInputs` whose tensors come back
 through shared memory (torch's reductions). A worker that dies (a decoder crashing on a file) breaks the pool: it
 is started again and the requests it held go once more; one that breaks it twice is refused (400).
+The way there and back costs each request time: on the 2-core CPU a 4 s video's 36 ms of processing took 48 ms
+through one worker (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), a photo's 7 ms 15 ms; so it pays only
+where requests' processing overlaps (off by default: not yet measured on the H200).
 """
 
 from __future__ import annotations
