@@ -11,6 +11,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
+from omnistage.bench.ablation import plot_ablation
 from omnistage.bench.stage_stats import PHASES
 
 RESULTS = "results.json"
@@ -209,4 +210,4 @@ def write_report(out_dir: str | Path) -> list[Path]:
     results = json.loads((Path(out_dir) / RESULTS).read_text())
     table = Path(out_dir) / TABLE
     table.write_text(markdown(results))
-    return [table, *plot(results, out_dir)]
+    return [table, *plot(results, out_dir), *plot_ablation(results, out_dir)]
