@@ -27,7 +27,7 @@ MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "conten
 
 @pytest.fixture(scope="module")
 def pool():
-    p = ProcessorPool(tiny_checkpoint("tiny"), None, {"image": {"max_pixels": 64 * 64}}, 2)
+    p = ProcessorPool(tiny_checkpoint("tiny"), None, {"image": {"max_pixels": 64 * 64}}, torch.float32, 2)
     yield p
     p.close()
 

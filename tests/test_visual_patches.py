@@ -75,3 +75,13 @@ def test_videos_equal_the_video_processor_layout(vp: VisualProcessor, frames: in
     ref = padded.view(t, tp, c, gh // m, m, p, gw // m, m, p).permute(0, 3, 6, 4, 7, 2, 1, 5, 8).reshape(t * gh * gw, -1)
     assert grids.tolist() == [[t, gh, gw]] and seconds == [tp / v.fps]
     assert torch.equal(pixels, ref)
+
+
+def test_bfloat16_patches_are_the_float32_ones_rounded(vp: VisualProcessor) -> None:
+    half = VisualProcessor(str(tiny_checkpoint("tiny")), dtype=torch.bfloat16)
+    ims, opts = [image(5, 97, 131), image(6, 64, 64)], [{}, {"min_pixels": 96 * 96}]
+    (a, ga), (b, gb) = half.images(ims, opts), vp.images(ims, opts)
+    assert a.dtype == torch.bfloat16 and torch.equal(ga, gb) and torch.equal(a, b.to(torch.bfloat16))
+    v = video(9, frames=5)
+    (a, ga, _), (b, gb, _) = half.videos([v], [{}]), vp.videos([v], [{}])
+    assert a.dtype == torch.bfloat16 and torch.equal(ga, gb) and torch.equal(a, b.to(torch.bfloat16))

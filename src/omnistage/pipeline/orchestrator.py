@@ -40,11 +40,11 @@ class Orchestrator:
         `placement`: "local" (threads of this process) or "ray" (actors); default: the deploy config's."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
-        self.processor = PromptProcessor(model_dir, media_policy, self.deploy.mm_processor_kwargs)
-        workers = self.deploy.mm_processor_workers
-        self.process: PromptProcessor | ProcessorPool = ProcessorPool(
-            model_dir, media_policy, self.deploy.mm_processor_kwargs, workers) if workers else self.processor
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
+        args = (model_dir, media_policy, self.deploy.mm_processor_kwargs, p.place("thinker")[1])  # NOTE: its dtype
+        self.processor = PromptProcessor(*args)
+        workers = self.deploy.mm_processor_workers
+        self.process: PromptProcessor | ProcessorPool = ProcessorPool(*args, workers) if workers else self.processor
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
         self.placement = placement or self.deploy.placement

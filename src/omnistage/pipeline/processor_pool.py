@@ -8,8 +8,9 @@ spawned (the serving process has CUDA and threads: no fork), each answers `Promp
 through shared memory (torch's reductions). A worker that dies (a decoder crashing on a file) breaks the pool: it
 is started again and the requests it held go once more; one that breaks it twice is refused (400).
 The way there and back costs each request time: on the 2-core CPU a 4 s video's 36 ms of processing took 48 ms
-through one worker (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), a photo's 7 ms 15 ms; so it pays only
-where requests' processing overlaps (off by default: not yet measured on the H200).
+through one worker with float32 patches (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), 37 ms with bfloat16
+ones (the GPU's case), a photo's 5-7 ms 13-15 ms; so it pays only where requests' processing overlaps (off by
+default: not yet measured on the H200).
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from omnistage.media import MediaError, MediaPolicy
 from omnistage.media.warm import warm_message
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
@@ -30,9 +33,9 @@ logger = logging.getLogger(__name__)
 _processor: PromptProcessor | None = None  # a worker's own
 
 
-def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None) -> None:
+def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype) -> None:
     global _processor
-    _processor = PromptProcessor(model_dir, policy, limits)
+    _processor = PromptProcessor(model_dir, policy, limits, dtype)
 
 
 def _process(messages: list[dict[str, Any]], use_audio_in_video: bool) -> PromptInputs:
@@ -48,8 +51,10 @@ def _warmed(future: Future) -> None:
 class ProcessorPool:
     """Called as a `PromptProcessor` is: (messages, use_audio_in_video) -> `PromptInputs`."""
 
-    def __init__(self, model_dir: str | Path, policy: MediaPolicy | None, limits: dict | None, workers: int) -> None:
-        self.workers, self._args = workers, (str(model_dir), policy, limits)
+    def __init__(self, model_dir: str | Path, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype,
+                 workers: int) -> None:
+        """`PromptProcessor(model_dir, policy, limits, dtype)` in each of `workers` processes."""
+        self.workers, self._args = workers, (str(model_dir), policy, limits, dtype)
         self._lock = threading.Lock()
         self._pool = self._new_pool()
         for _ in range(workers):  # NOTE: every worker starts and pays its first uses now, beside the stages' start

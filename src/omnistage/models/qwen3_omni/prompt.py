@@ -31,7 +31,7 @@ class PromptInputs:
     input_ids: list[int]
     input_features: torch.Tensor | None = None  # [num_audios, mel_bins, frames], audios in prompt order
     feature_attention_mask: torch.Tensor | None = None  # [num_audios, frames]
-    pixel_values: torch.Tensor | None = None  # [patches, C * T * P * P] of all images
+    pixel_values: torch.Tensor | None = None  # [patches, C * T * P * P] of all images (float32 or `patch_dtype`)
     image_grid_thw: torch.Tensor | None = None  # [num_images, 3]
     pixel_values_videos: torch.Tensor | None = None  # [patches, C * T * P * P] of all videos
     video_grid_thw: torch.Tensor | None = None  # [num_videos, 3]
@@ -47,14 +47,15 @@ class PromptInputs:
 
 class PromptProcessor:
     def __init__(self, model_dir: str | Path, media_policy: MediaPolicy | None = None,
-                 limits: dict[str, dict[str, int]] | None = None) -> None:
-        """`limits`: the deploy's `mm_processor_kwargs` (visual_processing.within)."""
+                 limits: dict[str, dict[str, int]] | None = None, patch_dtype: torch.dtype = torch.float32) -> None:
+        """`limits`: the deploy's `mm_processor_kwargs` (visual_processing.within); `patch_dtype`: the images' and
+        videos' patches' (the vision encoder's dtype: half the bytes in bfloat16, the same values it would cast)."""
         from transformers import WhisperFeatureExtractor
 
         self.media_policy = media_policy or MediaPolicy()
         self.tokenizer = load_tokenizer(model_dir)
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
-        self.visual = VisualProcessor(str(model_dir), limits)
+        self.visual = VisualProcessor(str(model_dir), limits, patch_dtype)
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
         self.n_window_infer = thinker.get("audio_config", {}).get("n_window_infer", 800)  # mel frames

@@ -57,11 +57,13 @@ class VisualProcessor:
     """Per-item options: `min_pixels`, `max_pixels`, `resized_height` with `resized_width`; videos also
     `total_pixels`; all within `limits` ({"image": {...}, "video": {...}}, see `within`)."""
 
-    def __init__(self, model_dir: str, limits: dict[str, dict[str, int]] | None = None) -> None:
+    def __init__(self, model_dir: str, limits: dict[str, dict[str, int]] | None = None,
+                 dtype: torch.dtype = torch.float32) -> None:
+        """`dtype`: the patches' (`PatchMaker`)."""
         from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
         self.image_processor = Qwen2VLImageProcessorPil.from_pretrained(model_dir)
-        self.patches = PatchMaker(self.image_processor)
+        self.patches = PatchMaker(self.image_processor, dtype)
         self.video_size = processor_video_size()
         self.merge_size = self.image_processor.merge_size
         self.limits = limits or {}
@@ -86,7 +88,7 @@ class VisualProcessor:
         """(pixel_values [patches, C * T * P * P], image_grid_thw [n, 3])."""
         cap, p = self.limits.get("image", {}), self.image_processor.patch_size
         rgb = [self.resized(im, within(opt, cap), self.image_processor.size) for im, opt in zip(images, options)]
-        return (torch.from_numpy(np.concatenate([self.patches.image(x) for x in rgb])),
+        return (torch.cat([self.patches.image(x) for x in rgb]),
                 torch.tensor([[1, x.shape[0] // p, x.shape[1] // p] for x in rgb]))
 
     def videos(self, videos: list[Any], options: list[dict[str, Any]]
@@ -102,4 +104,4 @@ class VisualProcessor:
             patches.append(p)
             grids.append([t, frames.shape[1] // ip.patch_size, frames.shape[2] // ip.patch_size])
         seconds = [ip.temporal_patch_size / (v.fps or 1.0) for v in videos]
-        return torch.from_numpy(np.concatenate(patches)), torch.tensor(grids), seconds
+        return torch.cat(patches), torch.tensor(grids), seconds
