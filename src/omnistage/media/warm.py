@@ -38,11 +38,16 @@ def _image() -> bytes:
 
 
 def _video() -> bytes | None:
-    """An mp4 (mpeg4 frames, an aac track), or None without PyAV."""
+    """An mp4 (mpeg4 frames, an aac track), or None without PyAV (or its encoders)."""
     try:
-        import av
-    except ImportError:
+        return _mp4()
+    except Exception:  # noqa: BLE001 - ImportError, or an ffmpeg built without these encoders: no video warm-up
         return None
+
+
+def _mp4() -> bytes:
+    import av
+
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("mpeg4", rate=FPS)
