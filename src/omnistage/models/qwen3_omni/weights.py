@@ -17,6 +17,7 @@ from safetensors import safe_open
 from torch import nn
 
 from omnistage.models.qwen3_omni.checkpoint_names import expert_slot, hf_to_checkpoint_name
+from omnistage.models.qwen3_omni.fp8_checkpoint import dequantized, weight_block
 from omnistage.models.qwen3_omni.random_init import random_tensor
 
 
@@ -47,12 +48,13 @@ def iter_checkpoint(model_dir: str | Path, prefix: str, device: str | torch.devi
 
 @torch.no_grad()
 def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> None:
-    """Copy the stage's checkpoint tensors into `module` (already on its device and dtype).
-    Every parameter and persistent buffer must be covered; extra checkpoint tensors are an error."""
+    """Copy the stage's checkpoint tensors into `module` (already on its device and dtype), FP8 weights
+    dequantised by their scales (fp8_checkpoint.py). Every parameter and persistent buffer must be covered;
+    extra checkpoint tensors are an error."""
     targets = dict(module.state_dict(keep_vars=True))
     seen: set[str] = set()
     device = next(iter(targets.values())).device
-    for name, tensor in iter_checkpoint(model_dir, stage + ".", device="cpu"):
+    for name, tensor in dequantized(iter_checkpoint(model_dir, stage + ".", device="cpu"), weight_block(model_dir)):
         local = name[len(stage) + 1:]
         target, key = _target(targets, local)
         if target is None:
