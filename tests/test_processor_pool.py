@@ -40,12 +40,28 @@ def assert_same(a: PromptInputs, b: PromptInputs) -> None:
         assert (x is None) == (y is None) and (x is None or torch.equal(x, y)), name
 
 
-def test_the_same_prompt_as_in_process(pool: ProcessorPool) -> None:
+@pytest.mark.parametrize("pipe", [False, True])  # the tensors back through shared memory / the pipe
+def test_the_same_prompt_as_in_process(pool: ProcessorPool, pipe: bool) -> None:
     local = PromptProcessor(tiny_checkpoint("tiny"), None, {"image": {"max_pixels": 64 * 64}})
-    for use_audio_in_video in (False, True):
-        ours = pool(MESSAGES, use_audio_in_video)
-        assert ours.pixel_values is not None and ours.pixel_values_videos is not None
-        assert_same(ours, local(MESSAGES, use_audio_in_video))
+    shared, pool.pipe = pool.pipe, pipe
+    try:
+        for use_audio_in_video in (False, True):
+            ours = pool(MESSAGES, use_audio_in_video)
+            assert ours.pixel_values is not None and ours.pixel_values_videos is not None
+            assert_same(ours, local(MESSAGES, use_audio_in_video))
+    finally:
+        pool.pipe = shared
+
+
+def test_bfloat16_patches_through_the_pipe() -> None:
+    half = ProcessorPool(tiny_checkpoint("tiny"), None, None, torch.bfloat16, 1)
+    try:
+        half.pipe = True
+        ours = half(MESSAGES)
+        assert ours.pixel_values.dtype == torch.bfloat16
+        assert_same(ours, PromptProcessor(tiny_checkpoint("tiny"), patch_dtype=torch.bfloat16)(MESSAGES))
+    finally:
+        half.close()
 
 
 def test_media_errors_keep_their_message_and_item(pool: ProcessorPool) -> None:

@@ -15,7 +15,8 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 @dataclass
 class Request:
     """`phases`: seconds from `arrival` (its construction; `AsyncOmni`: when it took the request, before its
-    prompt was processed) to the first time the request reached each phase (`mark`: prompt (`AsyncOmni`), encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
+    prompt was processed) to the first time the request reached each phase (`mark`: prompt (`AsyncOmni`),
+    encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
     delta carries a copy. Recorded with the local placement: with Ray the stages mark their actor's copy of
     the request, so the driver's request has none."""
 

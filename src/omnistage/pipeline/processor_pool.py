@@ -5,7 +5,10 @@ In the serving process the processing runs in the engine client's threads beside
 sharing one GIL; under load the media wait for each other and hold up the stages' host work (on the H200 at
 c = 64 a 4 s video's `prompt` phase is 0.7 s against 0.08 s at c = 1, benchmarks/HISTORY.md). Workers are
 spawned (the serving process has CUDA and threads: no fork), each answers `PromptInputs` whose tensors come back
-through shared memory (torch's reductions). A worker that dies (a decoder crashing on a file) breaks the pool: it
+through shared memory (torch's reductions: a handle each), or, where /dev/shm has less than 1 GiB free (a
+container's is often 64 MB), as numpy arrays through the pipe, whose reading takes the GIL once per 64 KB: on the
+2-core CPU beside one busy Python thread a 4 s video took 228 ms the first way, 557 ms the second, 1.3 s in a
+thread of the serving process. A worker that dies (a decoder crashing on a file) breaks the pool: it
 is started again and the requests it held go once more; one that breaks it twice is refused (400).
 The way there and back costs each request time: on the 2-core CPU a 4 s video's 36 ms of processing took 48 ms
 through one worker with float32 patches (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), 37 ms with bfloat16
@@ -15,14 +18,17 @@ default: not yet measured on the H200).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import multiprocessing
+import os
 import threading
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from omnistage.media import MediaError, MediaPolicy
@@ -31,6 +37,7 @@ from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 
 logger = logging.getLogger(__name__)
 _processor: PromptProcessor | None = None  # a worker's own
+SHARED_MEMORY_NEEDED = 1 << 30  # /dev/shm free for the prompts in flight (c = 64 videos: ~0.3 GB)
 
 
 def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype) -> None:
@@ -38,14 +45,40 @@ def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None, dtyp
     _processor = PromptProcessor(model_dir, policy, limits, dtype)
 
 
-def _process(messages: list[dict[str, Any]], use_audio_in_video: bool) -> PromptInputs:
+def _process(messages: list[dict[str, Any]], use_audio_in_video: bool, pipe: bool) -> PromptInputs:
     assert _processor is not None
-    return _processor(messages, use_audio_in_video)
+    out = _processor(messages, use_audio_in_video)
+    return _packed(out, _to_bytes) if pipe else out
+
+
+def _to_bytes(t: torch.Tensor) -> tuple[np.ndarray, torch.dtype]:
+    """A tensor as a numpy array of its bits (bfloat16 has no numpy dtype) and its dtype."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy(), t.dtype
+
+
+def _from_bytes(packed: tuple[np.ndarray, torch.dtype]) -> torch.Tensor:
+    return torch.from_numpy(packed[0]).view(packed[1])
+
+
+def _packed(p: PromptInputs, convert: Any) -> PromptInputs:
+    """`p` with every tensor converted (`_to_bytes` in the worker, `_from_bytes` back)."""
+    fields = {f.name: getattr(p, f.name) for f in dataclasses.fields(p)}
+    return dataclasses.replace(p, **{k: convert(v) for k, v in fields.items()
+                                     if v is not None and k not in ("input_ids", "use_audio_in_video", "media_keys")})
 
 
 def _warmed(future: Future) -> None:
     if future.exception() is not None:
         logger.warning("a prompt-processing worker's warm-up failed: %r", future.exception())
+
+
+def shared_memory_bytes() -> int:
+    """Free bytes of /dev/shm, where torch's shared CPU tensors live (0 without one)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return 0
+    return st.f_bavail * st.f_frsize
 
 
 class ProcessorPool:
@@ -55,16 +88,18 @@ class ProcessorPool:
                  workers: int) -> None:
         """`PromptProcessor(model_dir, policy, limits, dtype)` in each of `workers` processes."""
         self.workers, self._args = workers, (str(model_dir), policy, limits, dtype)
+        self.pipe = shared_memory_bytes() < SHARED_MEMORY_NEEDED
         self._lock = threading.Lock()
         self._pool = self._new_pool()
         for _ in range(workers):  # NOTE: every worker starts and pays its first uses now, beside the stages' start
-            self._pool.submit(_process, [warm_message()], True).add_done_callback(_warmed)
+            self._pool.submit(_process, [warm_message()], True, self.pipe).add_done_callback(_warmed)
 
     def __call__(self, messages: list[dict[str, Any]], use_audio_in_video: bool = False) -> PromptInputs:
         for _ in range(2):  # NOTE: a dead worker breaks the whole pool: the others' requests go again once
             pool = self._pool
             try:
-                return pool.submit(_process, messages, use_audio_in_video).result()
+                out = pool.submit(_process, messages, use_audio_in_video, self.pipe).result()
+                return _packed(out, _from_bytes) if self.pipe else out
             except BrokenProcessPool:
                 self._restart(pool)
         raise MediaError("the request's media could not be processed (its worker process died twice)")

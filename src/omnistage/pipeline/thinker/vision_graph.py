@@ -92,4 +92,5 @@ class VisionGraphRunner:
         self.cu.copy_(torch.tensor(lens, dtype=torch.int32).cumsum(0, dtype=torch.int32), non_blocking=True)
 
     def _forward(self, b: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        return vision_blocks(self.visual, self.pixels[:b], self.pos[:b], self.index[:b], self.weight[:b], self.cu, b)
+        return vision_blocks(self.visual, self.pixels[:b], self.pos[:b], self.index[:b], self.weight[:b], self.cu,
+                             b)
