@@ -97,5 +97,11 @@ def test_the_engine_processes_chat_prompts_in_workers() -> None:
                                        sampling={"temperature": 0, "max_tokens": 2}, talker_sampling={},
                                        emit=lambda d: None)
         assert_same(req.prompt, omni.engine.processor(MESSAGES))
+        calls, pool = [], omni.engine.process
+        omni.engine.process = lambda *a: calls.append(1) or pool(*a)
+        for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]):
+            omni.engine.make_request("t", messages, None, want_audio=False, voice=None, sampling={"max_tokens": 2},
+                                     talker_sampling={}, emit=lambda d: None)
+        assert calls == [1]  # text alone stays in the process: its template costs less than the round trip
     finally:
         omni.engine.shutdown()

@@ -50,14 +50,19 @@ class MediaItems:
                 self.audios.append(item.audio)
 
 
+def media_count(messages: list[dict[str, Any]]) -> int:
+    """The media parts (audio, image, video) of the messages' contents."""
+    contents = [m.get("content") for m in messages if isinstance(m, dict)]
+    return sum(isinstance(p, dict) and p.get("type") in KIND for c in contents if isinstance(c, list) for p in c)
+
+
 def to_conversation(messages: list[dict[str, Any]], policy: MediaPolicy | None = None,
                     use_audio_in_video: bool = False) -> MediaItems:
     """Decode every media part (fetching it under `policy`; default: `MediaPolicy()`). Raises MediaError
     naming the item, e.g. "messages[0].content[2] (image_url): cannot decode image"."""
     policy = policy or MediaPolicy()
     listed = [(i, m.get("content") or "") for i, m in enumerate(messages)]
-    count = sum(isinstance(p, dict) and p.get("type") in KIND for _, c in listed if isinstance(c, list) for p in c)
-    if count > policy.max_items:
+    if (count := media_count(messages)) > policy.max_items:
         raise MediaError(f"messages: {count} media items, more than {policy.max_items} per request",
                          "messages")
     items = MediaItems(use_audio_in_video=use_audio_in_video)

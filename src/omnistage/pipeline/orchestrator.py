@@ -16,7 +16,7 @@ from omnistage.config import DeployConfig
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
-from omnistage.media import MediaPolicy
+from omnistage.media import MediaPolicy, media_count
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
@@ -110,7 +110,7 @@ class Orchestrator:
         if (messages is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of messages and prompt_token_ids")
         prompt = (PromptInputs(list(prompt_token_ids)) if messages is None
-                  else self.process(check_text(messages), use_audio_in_video))
+                  else self._process(check_text(messages), use_audio_in_video))
         sp = from_dict(SamplingParams, sampling)
         tp = from_dict(TalkerSamplingParams, talker_sampling)
         check_int64(sp, tp)
@@ -122,6 +122,12 @@ class Orchestrator:
         talker = self.stages.talkers[0] if want_audio and self.stages.talkers else None
         check_fits(len(prompt.input_ids), sp, tp, self.stages.thinker.kv_capacity, talker and talker.kv_capacity)
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+
+    def _process(self, messages: list[dict], use_audio_in_video: bool) -> PromptInputs:
+        """Through the worker processes when there are any and the messages carry media; text stays here (its
+        template and tokens cost less than the way there and back)."""
+        process = self.process if media_count(messages) else self.processor
+        return process(messages, use_audio_in_video)
 
     def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,
                      sampling: Any, talker_sampling: Any, emit: Callable[[OutputDelta], None]) -> PromptStream:
