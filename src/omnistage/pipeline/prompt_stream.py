@@ -81,7 +81,7 @@ class PromptStream:
         final = min(self.samples // hop, max(0, (self.samples - self.fe.n_fft // 2) // hop + 1))
         if self.prefix is None or final // self.window <= len(self.sent):
             return
-        feats = self.processor.audio_features([self.audio()])[0][0]
+        feats = self.processor.audio_features([self.audio()], cache=False)[0][0]  # NOTE: a prefix, not a clip
         self._sync(feats, final // self.window)
 
     def audio(self) -> np.ndarray:

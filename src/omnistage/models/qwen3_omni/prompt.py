@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from omnistage.media import MediaError, MediaItems, MediaPolicy, to_conversation
+from omnistage.models.qwen3_omni.feature_cache import FeatureCache
 from omnistage.models.qwen3_omni.media_keys import MediaKeys, media_keys, source_key
 from omnistage.models.qwen3_omni.processor_files import load_tokenizer
 from omnistage.models.qwen3_omni.rope_index import audio_token_count, merge_ranks
 from omnistage.models.qwen3_omni.visual_processing import VisualProcessor
 
 _PADS = ("<|audio_pad|>", "<|image_pad|>", "<|video_pad|>")
+FEATURE_CACHE_BYTES = 64 << 20  # ~250 clips of 5 s (a 5 s clip: 128 x 500 float32)
 
 
 @dataclass
@@ -56,6 +58,7 @@ class PromptProcessor:
         self.tokenizer = load_tokenizer(model_dir)
         self.feature_extractor = WhisperFeatureExtractor.from_pretrained(str(model_dir))
         self.visual = VisualProcessor(str(model_dir), limits, patch_dtype)
+        self.feature_cache = FeatureCache(FEATURE_CACHE_BYTES)
         thinker = json.loads((Path(model_dir) / "config.json").read_text())["thinker_config"]
         self.n_window = thinker.get("audio_config", {}).get("n_window", 50)
         self.n_window_infer = thinker.get("audio_config", {}).get("n_window_infer", 800)  # mel frames
@@ -100,11 +103,19 @@ class PromptProcessor:
             source_key("video", v.frames, o) for v, o in zip(items.videos, items.video_options)))
         return out
 
-    def audio_features(self, audios: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        """16 kHz clips -> log-mel features `[n, mels, frames]` (padded to the longest) and their mask."""
+    def audio_features(self, audios: list[np.ndarray], cache: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """16 kHz clips -> log-mel features `[n, mels, frames]` (padded to the longest) and their mask; those
+        made before at the same padded length from `feature_cache` (`cache`)."""
+        if cache:
+            return self.feature_cache.features(audios, self._clip_features)
         feats = self.feature_extractor(audios, sampling_rate=16000, padding=True, truncation=False,
                                        return_attention_mask=True, return_tensors="pt")
         return feats["input_features"], feats["attention_mask"]
+
+    def _clip_features(self, clip: np.ndarray, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        feats = self.feature_extractor([clip], sampling_rate=16000, padding="max_length", max_length=length,
+                                       truncation=False, return_attention_mask=True, return_tensors="pt")
+        return feats["input_features"][0], feats["attention_mask"][0]
 
     def _audio(self, audios: list[np.ndarray], out: PromptInputs) -> list[int]:
         if not audios:
