@@ -37,7 +37,7 @@ def test_runs_equal_the_forward(device: str) -> None:
                                   [[1, 16, 16]], [[2, 4, 6], [1, 2, 4], [1, 6, 10]]]):
         pixels = _pixels(grids, seed)
         assert runner.fits(grids)
-        ours = runner.run(pixels, grids)  # host pixels: the run copies them into its buffer
+        ours = runner.run(pixels.split([t * h * w for t, h, w in grids]), grids)  # host pixels, copied in
         ref = encode_visual(visual, pixels.to(device), torch.tensor(grids))
         assert ours.embeds.shape == ref.embeds.shape and len(ours.deepstack) == len(ref.deepstack) == 3
         for a, b in [(ours.embeds, ref.embeds), *zip(ours.deepstack, ref.deepstack)]:

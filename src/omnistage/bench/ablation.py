@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from omnistage.bench.figures import save
+
 FIGURES = {"ablation_throughput.png": ("request_throughput", "requests / s"),
            "ablation_rtf.png": ("mean_rtf", "mean RTF (below 1: faster than real time)"),
            "ablation_ttfp.png": ("mean_ttfp_ms", "mean TTFP (ms)")}
@@ -42,9 +44,5 @@ def plot_ablation(results: dict, out_dir: str | Path) -> list[Path]:
         ax.set_xticks(range(len(levels)), [f"c = {c}" for c in levels])
         ax.set(ylabel=label, title=f"{label} ({results['meta'].get('device', '')})")
         ax.grid(True, axis="y", alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(Path(out_dir) / name)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, ax, Path(out_dir) / name))
     return paths

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnistage.bench.ablation import plot_ablation
+from omnistage.bench.figures import save
 from omnistage.bench.stage_stats import PHASES
 
 RESULTS = "results.json"
@@ -197,11 +198,7 @@ def plot(results: dict, out_dir: str | Path) -> list[Path]:
         ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
         ax.set(xlabel="concurrency (hf: batch size)", ylabel=label, title=f"{label} ({results['meta']['device']})")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=8)
-        fig.tight_layout()
-        paths.append(Path(out_dir) / name)
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths.append(save(fig, ax, Path(out_dir) / name))
     return paths
 
 

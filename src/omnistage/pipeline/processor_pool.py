@@ -12,7 +12,7 @@ thread of the serving process. A worker that dies (a decoder crashing on a file)
 is started again and the requests it held go once more; one that breaks it twice is refused (400).
 The way there and back costs each request time: on the 2-core CPU a 4 s video's 36 ms of processing took 48 ms
 through one worker with float32 patches (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), 37 ms with bfloat16
-ones (the GPU's case), a photo's 5-7 ms 13-15 ms; so it pays only where requests' processing overlaps (off by
+ones (the GPU's case), a photo's 5-7 ms 9-15 ms; so it pays only where requests' processing overlaps (off by
 default: not yet measured on the H200).
 """
 

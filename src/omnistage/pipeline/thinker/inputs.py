@@ -61,8 +61,9 @@ def _visual_rows(thinker: torch.nn.Module, pixels: list[torch.Tensor], grids: li
         return thinker.encode_visual(torch.cat(pixels).to(device), torch.stack(grids))
     lists, parts = [g.tolist() for g in grids], []
     for run in vision.groups(lists):
-        px, gs = torch.cat([pixels[j] for j in run]), [lists[j] for j in run]
-        parts.append(vision.run(px, gs) if vision.fits(gs) else thinker.encode_visual(px.to(device), torch.tensor(gs)))
+        px, gs = [pixels[j] for j in run], [lists[j] for j in run]
+        parts.append(vision.run(px, gs) if vision.fits(gs) else
+                     thinker.encode_visual(torch.cat(px).to(device), torch.tensor(gs)))
     return join_visual(parts)
 
 

@@ -1,9 +1,10 @@
 """The vision encoder on static buffers: one CUDA graph per row bucket, all captured at start; the same function
 run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
-Eagerly, one call launches ~700 kernels from Python, and each new patch count (every photo size) costs cuDNN
-and cuBLAS their first-call plans: on the H200 a 640x480 photo's encoder takes 6.5 ms of GPU time, 17 ms of
-wall time, 32-44 ms the first time its size is seen (`scripts/encoder_bench.py --new-shapes`). A run holds
+Eagerly, one call launches ~700 kernels from Python, and each new patch count (every photo size) is slower the
+first time: on the H200 a 640x480 photo's encoder took 6.5 ms of GPU time and 14.5 ms of wall time, and photos
+of other sizes 32-44 ms the first time their size was seen, 17-24 ms after (`scripts/encoder_bench.py
+--new-shapes`). A run holds
 up to `max_frames` images / video frames; the rows past theirs, up to the bucket, form one padding sequence
 (zero patches at position 0) that attends only to itself, and the frame slots past it are empty (their
 offsets repeat). Padding rows are whole merge blocks, so no merged row mixes live and padding rows.
@@ -61,10 +62,10 @@ class VisionGraphRunner:
         for b in reversed(self.buckets):
             self._capture(b)
 
-    def run(self, pixels: torch.Tensor, grids: Sequence[Grid]) -> VisualEmbeds:
-        """Patches `[rows, C*T*P*P]` (host or device) of items with `grids` (within `fits`) -> their merged
-        and DeepStack rows (copies: the graph's outputs are overwritten by the next run)."""
-        rows = pixels.shape[0]
+    def run(self, pixels: Sequence[torch.Tensor], grids: Sequence[Grid]) -> VisualEmbeds:
+        """Each item's patches `[t*h*w, C*T*P*P]` (host or device) with its grid (all within `fits`) -> their
+        merged and DeepStack rows (copies: the graph's outputs are overwritten by the next run)."""
+        rows = sum(x.shape[0] for x in pixels)
         b = batch_bucket(rows, self.buckets)
         self._capture(b)
         self._load(b, pixels, [list(g) for g in grids])
@@ -74,18 +75,20 @@ class VisionGraphRunner:
 
     def _capture(self, b: int) -> None:
         if self.graphs is not None and b not in self.graphs:
-            self._load(b, self.pixels[:0], [])  # warm-up and capture: padding only
+            self._load(b, [], [])  # warm-up and capture: padding only
             self.graphs.capture(b, lambda: self._forward(b))
 
-    def _load(self, b: int, pixels: torch.Tensor, grids: list[list[int]]) -> None:
-        rows = pixels.shape[0]
+    def _load(self, b: int, pixels: Sequence[torch.Tensor], grids: list[list[int]]) -> None:
+        rows = 0
+        for x in pixels:  # NOTE: each item straight into the buffer (no joined copy on the host first)
+            self.pixels[rows:rows + x.shape[0]].copy_(x, non_blocking=True)
+            rows += x.shape[0]
         frames: list[int] = []
         if grids:
             pos, index, weight, frames = vision_layout(self.visual, grids)
             # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
             for buf, x in ((self.pos, pos), (self.index, index), (self.weight, weight)):
                 buf[:rows].copy_(x, non_blocking=True)
-        self.pixels[:rows].copy_(pixels, non_blocking=True)
         for buf in (self.pixels, self.pos, self.index, self.weight):
             buf[rows:b].zero_()
         lens = [0, *frames, b - rows] + [0] * (self.max_frames - len(frames))
