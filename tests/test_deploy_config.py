@@ -62,8 +62,7 @@ def test_precedence_cli_over_platform_over_file_over_defaults(tmp_path):
      "stages.talker.max_batch_size: must be a positive integer, got True"),
     ({"talker": {"max_batch_sise": 8}}, "stages.talker.max_batch_sise: unknown key"),
     ({"vocoder": {}}, "stages.vocoder: unknown key"),
-    ({"thinker": {"replicas": 2, "devices": [0, 1]}},
-     "stages.thinker.replicas: must be 1 for the thinker, got 2"),
+    ({"thinker": {"replicas": 2, "devices": [0, 1, 2]}}, "stages.thinker.devices: 3 devices for 2 replica(s)"),
     ({"talker": {"devices": [0, 1]}}, "stages.talker.devices: 2 devices for 1 replica(s)"),
     ({"talker": {"devices": []}}, "stages.talker.devices: must be a non-empty list"),
     ({"code2wav": {"kv_cache_memory": 1.5}}, "stages.code2wav.kv_cache_memory: must be a fraction in (0, 1]"),
@@ -147,3 +146,44 @@ def test_platform_devices():
     assert platform_from_name("xpu").supports_cuda_graph is False
     with pytest.raises(ValueError, match="unknown platform 'tpu'"):
         platform_from_name("tpu")
+
+
+def test_data_parallel_repeats_the_layout_on_the_next_gpus(tiny_dir) -> None:
+    """Pipeline i's replicas on the layout's devices + i x the GPUs one layout uses."""
+    two_gpu = {"thinker": {"devices": [0]}, "talker": {"replicas": 2, "devices": [1]},
+               "code2wav": {"devices": [1]}}
+    cfg = load_deploy_config(default_deploy_config(tiny_dir), "cuda", two_gpu,
+                             overrides={"data_parallel_size": 3})
+    assert cfg.data_parallel_size == 3 and cfg.stages.talker.replicas == 2  # as written
+    assert (cfg.stage("thinker").replicas, cfg.stage("thinker").replica_devices) == (3, (0, 2, 4))
+    assert cfg.stage("talker").replica_devices == (1, 1, 3, 3, 5, 5)
+    assert cfg.stage("code2wav").replica_devices == (1, 3, 5)
+    assert load_deploy_config(default_deploy_config(tiny_dir), "cuda").stage("thinker").replica_devices == (0,)
+    with pytest.raises(ConfigError, match="data_parallel_size: must be a positive integer, got 0"):
+        load_deploy_config(default_deploy_config(tiny_dir), "cuda", overrides={"data_parallel_size": 0})
+
+
+@pytest.mark.parametrize("layout, placement, devices", [
+    ("2gpu", "process", {"thinker": (0, 1), "talker": (0, 1), "code2wav": (0, 1)}),
+    ("4gpu", "process", {"thinker": (0, 1, 2, 3), "talker": (0, 1, 2, 3), "code2wav": (0, 1, 2, 3)}),
+    ("3gpu", "process", {"thinker": (0,), "talker": (1, 2), "code2wav": (1, 2)}),
+    ("4x80gb", "process", {"thinker": (0, 2), "talker": (1, 3), "code2wav": (1, 3)}),
+])
+def test_the_multi_gpu_layouts(tiny_dir, layout, placement, devices) -> None:
+    cfg = load_deploy_config(default_deploy_config(tiny_dir, layout), "cuda")
+    default = load_deploy_config(default_deploy_config(tiny_dir), "cuda")
+    assert cfg.placement == placement
+    assert {s: cfg.stage(s).replica_devices for s in devices} == devices
+    assert cfg.stage("thinker").cuda_graph_prefill_tokens == default.stage("thinker").cuda_graph_prefill_tokens
+    cpu = load_deploy_config(default_deploy_config(tiny_dir, layout), "cpu")  # the base's platforms: entry too
+    assert cpu.stage("thinker").dtype == "float32" and not cpu.stage("talker").cuda_graph
+
+
+def test_a_base_that_includes_itself_is_refused(tmp_path) -> None:
+    (tmp_path / "a.yaml").write_text("base: b.yaml\n")
+    (tmp_path / "b.yaml").write_text("base: a.yaml\nasync_chunk: false\n")
+    with pytest.raises(ConfigError, match="base: a.yaml is the file itself or one it is the base of"):
+        load_deploy_config(tmp_path / "a.yaml", "cpu")
+    (tmp_path / "c.yaml").write_text("base: 3\n")
+    with pytest.raises(ConfigError, match="base: must be a file name, got 3"):
+        load_deploy_config(tmp_path / "c.yaml", "cpu")

@@ -7,7 +7,8 @@ import pytest
 
 from omnistage.config_loader import build_deploy_config
 
-from omnistage.server.launch import TINY_MODEL_NAME, LaunchError, add_serve_args, deploy_config, resolve_model
+from omnistage.server.launch import (
+    TINY_MODEL_NAME, LaunchError, add_serve_args, deploy_config, deploy_overrides, resolve_model)
 
 
 def test_defaults_and_tiny(tiny_dir):
@@ -144,3 +145,11 @@ def test_generation_config_flag(tiny_dir, tmp_path, caplog):
     bad = "generation_config.json with stages.thinker.sampling: top_p must be"
     with pytest.raises(LaunchError, match=bad):
         generation_defaults(build_deploy_config({}, "cpu"), tiny_dir, str(tmp_path))
+
+
+def test_data_parallel_size_flag(tiny_dir) -> None:
+    args = add_serve_args(argparse.ArgumentParser()).parse_args(["--data-parallel-size", "2", "--placement",
+                                                                 "process"])
+    cfg = deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args))
+    assert (cfg.data_parallel_size, cfg.placement, cfg.stage("thinker").replicas) == (2, "process", 2)
+    assert deploy_config(tiny_dir, None, None, "cpu").data_parallel_size == 1

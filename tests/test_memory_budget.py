@@ -115,7 +115,7 @@ def test_layout_names_and_the_flag(tiny_dir, tmp_path):
 
 def test_shares_per_device_locally_and_per_actor_with_ray():
     pytest.importorskip("ray")
-    from omnistage.pipeline.placement.ray_actor import build_order
+    from omnistage.pipeline.placement.replica_host import build_order
     from omnistage.pipeline.placement.sizing import kv_shares
 
     one, two = (SimpleNamespace(deploy=load_deploy_config(DEPLOY_DIR / f, "cuda"))
@@ -163,7 +163,7 @@ def test_the_log_names_the_capacity_the_engine_refuses_past(tiny_dir, caplog):
                     device="cpu")
     try:
         lines = [r.getMessage() for r in caplog.records if " KV cache " in r.getMessage()]
-        room = omni.engine.stages.thinker.kv_capacity
+        room = omni.engine.stages.thinkers[0].kv_capacity
         assert lines[0].startswith("thinker on cpu: KV cache 0.06 GiB, ")
         assert lines[0].endswith(f"one request may hold {room} tokens (prompt + max_tokens)")
         assert lines[1].startswith("talker on cpu: KV cache 0.06 GiB, ") and len(lines) == 2

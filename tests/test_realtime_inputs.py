@@ -166,7 +166,7 @@ class FakeEngine:
     def __init__(self, refuse: Exception | None = None) -> None:
         self.refuse, self.aborted, self.started = refuse, [], asyncio.Event()
 
-    async def generate(self, request_id, messages, sampling, talker, voice, use_audio_in_video):
+    async def generate(self, request_id, messages, sampling, talker, voice, use_audio_in_video, session=None):
         assert talker is None and voice is None and sampling.greedy and sampling.max_tokens == 5
         assert messages[0]["content"][0]["text"].startswith(INSTRUCTION + " The speech is in en.")
         self.started.set()

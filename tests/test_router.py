@@ -6,7 +6,11 @@ import threading
 import time
 from collections import Counter, defaultdict
 
+import pytest
+
 from omnistage.entrypoints.omni import ChatResult
+from omnistage.pipeline.faults import NoReplicaError
+from omnistage.pipeline.placement import router
 from omnistage.pipeline.placement.router import Router
 
 from graph_helpers import settle
@@ -128,3 +132,39 @@ def test_every_payload_of_a_request_reaches_one_replica_per_stage() -> None:
 
 def assert_finished(results: list[ChatResult]) -> None:
     assert all(r.finish_reason is not None for r in results)
+
+
+def test_a_session_follows_its_last_replica_while_it_is_up() -> None:
+    r = Router(2)
+    assert r.pick("a1", "alice") == 0 and r.pick("b1", "bob") == 1
+    r.release("a1")
+    r.release("b1")
+    assert r.pick("x") == 0  # a request of no session: the least loaded
+    assert r.pick("b2", "bob") == 1 and r.pick("b3", "bob") == 1  # bob's replica, though 0 is as loaded
+    assert r.pick("a2", "alice") == 0
+    r.set_up(0, False)
+    assert r.pick("a3", "alice") == 1  # alice's replica is down: she moves, and stays moved
+    r.set_up(0, True)
+    assert r.pick("a4", "alice") == 1 and r.pick("y") == 0
+    assert r.load == [3, 4]
+
+
+def test_a_down_replica_takes_no_new_request_and_none_up_is_refused() -> None:
+    r = Router(2)
+    assert r.pick("a") == 0
+    r.set_up(1, False)
+    assert [r.pick(x) for x in "bcd"] == [0, 0, 0] and r.load == [4, 0]
+    r.set_up(0, False)
+    assert r.pick("a") == 0  # a request routed before keeps its replica (the stage fails it if it died)
+    with pytest.raises(NoReplicaError):
+        r.pick("e", "s")
+    assert "e" not in r._of and r.load == [4, 0]
+    r.set_up(1, True)
+    assert r.pick("e", "s") == 1
+
+
+def test_sessions_are_forgotten_oldest_first(monkeypatch) -> None:
+    monkeypatch.setattr(router, "MAX_SESSIONS", 2)
+    r = Router(2)
+    r.pick("1", "s1"), r.pick("2", "s2"), r.pick("3", "s1"), r.pick("4", "s3")  # s2 least recently routed
+    assert list(r._sessions) == ["s1", "s3"]

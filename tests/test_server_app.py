@@ -33,8 +33,9 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_after = fail_after
 
-    async def generate(self, request_id, messages, sampling, talker_sampling, voice, use_audio_in_video):
-        self.calls.append(dict(messages=messages, sampling=sampling, talker=talker_sampling, voice=voice))
+    async def generate(self, request_id, messages, sampling, talker_sampling, voice, use_audio_in_video, session=None):
+        self.calls.append(dict(messages=messages, sampling=sampling, talker=talker_sampling, voice=voice,
+                               session=session))
         texts = [OutputDelta(request_id, text=t) for t in TEXT]
         audios = [OutputDelta(request_id, audio=a) for a in AUDIO]
         items = [texts[0], audios[0], texts[1], audios[1], texts[2], audios[2], texts[3]]
@@ -167,3 +168,21 @@ def test_audio_reference_becomes_the_transcript(stream):
     client.chat.completions.create(model="qwen3-omni", messages=history)
     assert engine.calls[-1]["messages"][1] == {"role": "assistant",
                                                "content": [{"type": "text", "text": "Hello there."}]}
+
+
+def test_health_tells_which_replica_is_down():
+    engine, client, http = setup()
+    assert http.get("/health").json() == {"status": "ok"}
+    engine.health = lambda: {"status": "degraded", "replicas": {"talker1": "restarting"}}
+    r = http.get("/health")
+    assert r.status_code == 200 and r.json() == {"status": "degraded", "replicas": {"talker1": "restarting"}}
+    engine.health = lambda: {"status": "unavailable", "replicas": {"thinker": "restarting"}}
+    r = http.get("/health")
+    assert r.status_code == 503 and r.json()["replicas"] == {"thinker": "restarting"}
+
+
+def test_prompt_cache_key_is_the_request_session():
+    engine, client, _ = setup()
+    client.chat.completions.create(model="qwen3-omni", messages=USER, prompt_cache_key="conv-7")
+    client.chat.completions.create(model="qwen3-omni", messages=USER)
+    assert [c["session"] for c in engine.calls] == ["conv-7", None]

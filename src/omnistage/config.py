@@ -5,7 +5,7 @@ YAML and checked by `config_loader.py`, each value's rule in `config_rules.py`).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from omnistage import config_rules as r
@@ -78,7 +78,11 @@ class DeployConfig:
     host while step N+1 runs.
     `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
     prompt tokens) that have not yet produced every output they asked for; past it a 429.
-    `placement`: every stage replica in this process ("local") or each in a Ray actor ("ray").
+    `placement`: every stage replica in this process ("local"), each in a worker process of its own on this
+    host ("process"), or each in a Ray actor ("ray").
+    `data_parallel_size`: N pipelines, the stages' layout repeated N times (pipeline i's replicas on the
+    layout's devices + i x the GPUs one layout uses), each with its thinker; requests go to the least loaded,
+    a session's to its last one's (vLLM's `--data-parallel-size`).
     `switch_interval_ms`: Python's thread switch interval in this process (stage threads share one GIL;
     Python's default is 5 ms).
     `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
@@ -102,6 +106,7 @@ class DeployConfig:
     max_waiting_requests: int = r.opt(256, r.positive_int)
     max_waiting_tokens: int = r.opt(262144, r.positive_int)
     placement: str = r.opt("local", r.placement)
+    data_parallel_size: int = r.opt(1, r.positive_int)
     switch_interval_ms: float = r.opt(5.0, r.interval)
     gpu_memory_utilization: float = r.opt(0.9, r.utilization)
     realtime_streaming_input: bool = r.opt(False, r.boolean)
@@ -112,7 +117,13 @@ class DeployConfig:
     mm_processor_workers: int = r.opt(0, r.non_negative_int)
 
     def stage(self, name: str) -> StageConfig:
-        return getattr(self.stages, name)
+        """The stage's config with `data_parallel_size` applied (its replicas repeated per pipeline)."""
+        sc, n = getattr(self.stages, name), self.data_parallel_size
+        if n == 1:
+            return sc
+        gpus = 1 + max(max(getattr(self.stages, s).devices) for s in STAGE_NAMES)
+        devices = tuple(d + i * gpus for i in range(n) for d in sc.replica_devices)
+        return replace(sc, replicas=sc.replicas * n, devices=devices)
 
     def to_dict(self) -> dict:
         """Plain values; `config_loader.build_deploy_config(cfg.to_dict(), platform)` gives it back."""

@@ -1,7 +1,8 @@
 """Deploy configs from YAML: the packaged one for a checkpoint (`default_deploy_config`), a file or layout name
 (`resolve_deploy_config`), merged and checked (`load_deploy_config`).
 
-Precedence: CLI overrides > `platforms:` entry of the platform > file > built-in defaults.
+Precedence: CLI overrides > `platforms:` entry of the platform > file > its `base:` file (if any) > built-in
+defaults.
 Errors name the key path: "stages.talker.max_batch_size: must be a positive integer, got -1".
 """
 
@@ -94,8 +95,6 @@ def _build(cls: type, data: Any, path: str) -> Any:
 def _check_stage(name: str, stage: StageConfig, platform: str) -> None:
     n, big = stage.max_batch_size, [s for s in stage.cuda_graph_batch_sizes if s > stage.max_batch_size]
     problems = [
-        (name == "thinker" and stage.replicas != 1, "replicas",
-         f"must be 1 for the thinker, got {stage.replicas}"),
         (len(stage.devices) > stage.replicas, "devices",
          f"{len(stage.devices)} devices for {stage.replicas} replica(s); list at most one per replica"),
         (stage.max_num_batched_tokens < n, "max_num_batched_tokens",
@@ -139,13 +138,22 @@ def _check_entries(raw: dict, entries: Any, platform: str) -> None:
             raise ConfigError(f"platforms.{name}: {e}") from None
 
 
-def _read_yaml(path: Path) -> dict:
+def _read_yaml(path: Path, within: tuple[Path, ...] = ()) -> dict:
+    """The file's mapping; with a `base:` key (a file beside it), merged over that file's, recursively."""
     if not path.is_file():
         raise ConfigError(f"{path}: deploy config not found")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: must hold a mapping at the top level")
-    return raw
+    base = raw.pop("base", None)
+    if base is None:
+        return raw
+    if not isinstance(base, str):
+        raise ConfigError(f"{path}: base: must be a file name, got {base!r}")
+    within = (*within, path.resolve())
+    if (path.parent / base).resolve() in within:
+        raise ConfigError(f"{path}: base: {base} is the file itself or one it is the base of")
+    return deep_merge(_read_yaml(path.parent / base, within), raw)
 
 
 def _parse_stage_overrides(value: str | dict | None) -> dict:

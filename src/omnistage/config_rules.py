@@ -9,7 +9,7 @@ from dataclasses import field
 from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
-PLACEMENTS = ("local", "ray")
+PLACEMENTS = ("local", "process", "ray")
 
 
 def rule(ok: Callable[[Any], bool], why: str, convert: Callable[[Any], Any] = copy.deepcopy) -> Callable:

@@ -28,6 +28,7 @@ class Request:
     emit: Callable[[OutputDelta], None]
     voice: str = "Ethan"
     want_audio: bool = False
+    session: str | None = None  # its conversation's id: the thinker replica of the session's last request
     growing: bool = False  # its prompt grows at its end (`PromptPiece`s) until a closing piece
     usage: Usage = field(default_factory=Usage)
     finish_reason: str | None = None

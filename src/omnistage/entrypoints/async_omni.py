@@ -63,9 +63,10 @@ class AsyncOmni:
 
     async def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                        talker_sampling: TalkerSamplingParams | None, voice: str | None,
-                       use_audio_in_video: bool = False, prompt_token_ids: list[int] | None = None
-                       ) -> AsyncIterator[OutputDelta]:
-        """Audio is produced when `talker_sampling` is given. Aborts the request if the consumer stops early.
+                       use_audio_in_video: bool = False, prompt_token_ids: list[int] | None = None,
+                       session: str | None = None) -> AsyncIterator[OutputDelta]:
+        """Audio is produced when `talker_sampling` is given; `session`: its conversation (the thinker replica
+        of the session's last request takes it). Aborts the request if the consumer stops early.
         Raises EngineOverloaded (admission full) or ValueError (refused) before the first item."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
@@ -76,7 +77,7 @@ class AsyncOmni:
             req = await loop.run_in_executor(None, lambda: self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
                 sampling=sampling, talker_sampling=talker_sampling, emit=_emitter(loop, queue),
-                use_audio_in_video=use_audio_in_video))
+                use_audio_in_video=use_audio_in_video, session=session))
             req.arrival = received  # NOTE: its phases count from here, the prompt's processing (media) first
             req.mark("prompt")
             self.admission.add_tokens(len(req.prompt.input_ids))
@@ -108,8 +109,8 @@ class AsyncOmni:
                 self.engine.abort(request_id)
 
     async def open_request(self, request_id: str, messages: list[dict], sampling: SamplingParams,
-                           talker_sampling: TalkerSamplingParams | None, voice: str | None
-                           ) -> StreamingPrompt:
+                           talker_sampling: TalkerSamplingParams | None, voice: str | None,
+                           session: str | None = None) -> StreamingPrompt:
         """A request whose last user message ends with an audio still arriving (see `StreamingPrompt`):
         the prompt before it is prefilled now, the audio's encoder windows as they complete. It takes its
         admission place now. Raises EngineOverloaded or ValueError (refused)."""
@@ -119,7 +120,7 @@ class AsyncOmni:
         try:
             stream = await loop.run_in_executor(None, lambda: self.engine.open_request(
                 request_id, messages, want_audio=talker_sampling is not None, voice=voice, sampling=sampling,
-                talker_sampling=talker_sampling, emit=_emitter(loop, queue)))
+                talker_sampling=talker_sampling, emit=_emitter(loop, queue), session=session))
         except BaseException:
             self.admission.leave(0)
             raise
@@ -137,6 +138,9 @@ class AsyncOmni:
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
+
+    def health(self) -> dict[str, Any]:
+        return self.engine.health()
 
     def stats(self) -> dict[str, dict[str, int]]:
         return self.engine.stats()

@@ -64,6 +64,10 @@ class EngineDeadError(RuntimeError):
     """A stage has died: the engine refuses new requests (the server answers 503, /health is unhealthy)."""
 
 
+class NoReplicaError(EngineDeadError):
+    """Every replica of a stage is down, being started again: new requests are refused meanwhile (503)."""
+
+
 class EngineOverloaded(RuntimeError):
     """Admission is full (waiting requests or waiting prompt tokens): try again after `retry_after` s."""
 

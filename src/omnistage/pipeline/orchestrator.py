@@ -1,6 +1,8 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
-thread, or by `placement.ray.build_ray_stages`, each in a Ray actor), routes them over replicas, fails a
-request that fails in a stage (only it), and fails every request loudly if a stage dies."""
+thread, by `placement.process.build_process_stages`, each in a worker process, or by
+`placement.ray.build_ray_stages`, each in a Ray actor), routes them over replicas (the thinker's: data-parallel
+pipelines), fails a request that fails in a stage (only it), fails a dead replica process's requests (only
+them) while it is started again, and fails every request loudly if a stage dies for good."""
 
 from __future__ import annotations
 
@@ -21,12 +23,14 @@ from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
 from omnistage.pipeline.connector import FrameChunk, TextChunk
-from omnistage.pipeline.faults import EngineDeadError
+from omnistage.pipeline.faults import EngineDeadError, NoReplicaError
 from omnistage.pipeline.input_checks import check_fits, check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
+from omnistage.pipeline.placement.stage_handle import StageHandles
 from omnistage.pipeline.placement.router import Router
 from omnistage.pipeline.processor_pool import ProcessorPool
 from omnistage.pipeline.prompt_stream import PromptStream, open_stream
+from omnistage.pipeline.thinker.growth import PromptPiece
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
@@ -36,8 +40,9 @@ class Orchestrator:
                  seed: int = 0, media_policy: MediaPolicy | None = None,
                  placement: str | None = None) -> None:
         """`device` (if given) places every stage there; otherwise replica i of a stage goes to its deploy
-        `devices[i % len(devices)]`. The thinker is single; talker and code2wav may have replicas.
-        `placement`: "local" (threads of this process) or "ray" (actors); default: the deploy config's."""
+        `devices[i % len(devices)]`; every stage may have replicas (the thinker's: data parallel).
+        `placement`: "local" (threads of this process), "process" (a worker process per replica) or "ray"
+        (actors); default: the deploy config's."""
         self.config = load_config(model_dir)
         self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
@@ -48,12 +53,8 @@ class Orchestrator:
         self.requests: dict[str, Request] = {}
         args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
         self.placement = placement or self.deploy.placement
-        if self.placement == "ray":
-            from omnistage.pipeline.placement.ray import build_ray_stages
-
-            self.stages = build_ray_stages(*args, lookup=self.requests.get)
-        else:
-            self.stages = build_stages(*args)
+        self.stages = self._build(args)
+        self.thinker_router = Router(len(self.stages.thinkers))
         self.talker_router = Router(len(self.stages.talkers))
         self.code2wav_router = Router(len(self.stages.code2wavs))
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
@@ -64,8 +65,26 @@ class Orchestrator:
         # NOTE: worker threads still inside torch at interpreter exit abort the process (std::terminate).
         atexit.register(self.shutdown)
 
+    def _build(self, args: tuple) -> StageHandles:
+        if self.placement == "ray":
+            from omnistage.pipeline.placement.ray import build_ray_stages
+
+            return build_ray_stages(*args, lookup=self.requests.get, on_state=self._on_state)
+        if self.placement == "process":
+            from omnistage.pipeline.placement.process import build_process_stages
+
+            return build_process_stages(*args, lookup=self.requests.get, on_state=self._on_state)
+        return build_stages(*args)
+
+    def _on_state(self, stage: str, replica: int, up: bool) -> None:
+        """A remote replica went down (its requests failed) or is up again (started anew)."""
+        router = {"thinker": self.thinker_router, "talker": self.talker_router,
+                  "code2wav": self.code2wav_router}[stage]
+        router.set_up(replica, up)
+
     # NOTE: the stage objects and their workers exist in this process with the local placement only.
-    thinker = property(lambda self: self.stages.thinker.stage)
+    thinker = property(lambda self: self.stages.thinkers[0].stage)
+    thinkers = property(lambda self: [h.stage for h in self.stages.thinkers])
     talkers = property(lambda self: [h.stage for h in self.stages.talkers])
     code2wavs = property(lambda self: [h.stage for h in self.stages.code2wavs])
     workers = property(lambda self: [h.worker for h in self.stages])
@@ -86,27 +105,35 @@ class Orchestrator:
             del self._held[chunk.request.request_id]
         else:
             held = [chunk]
-        talker = self.stages.talkers[self._pick(self.talker_router, chunk)]
+        talker = self.stages.talkers[self._pick(self.talker_router, chunk.request)]
         for c in held:
             talker.add(c)
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
         if not chunk.request.aborted:
-            self.stages.code2wavs[self._pick(self.code2wav_router, chunk)].add(chunk)
+            self.stages.code2wavs[self._pick(self.code2wav_router, chunk.request)].add(chunk)
+
+    def _to_thinker(self, item: Request | PromptPiece) -> None:
+        """A request to the thinker replica of its session (else the least loaded), its prompt's later pieces
+        after it."""
+        req = item if isinstance(item, Request) else item.request
+        self.stages.thinkers[self._pick(self.thinker_router, req, req.session)].add(item)
 
     @staticmethod
-    def _pick(router: Router, chunk: TextChunk | FrameChunk) -> int:
-        req = chunk.request
-        i = router.pick(req.request_id)
+    def _pick(router: Router, req: Request, session: str | None = None) -> int:
+        """Raises NoReplicaError (an EngineDeadError: 503) when every replica of the stage is restarting."""
+        i = router.pick(req.request_id, session)
         if req.aborted:  # NOTE: an abort between the caller's check and `pick` would leak the load
             router.release(req.request_id)
         return i
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
-                     emit: Callable[[OutputDelta], None], use_audio_in_video: bool = False) -> Request:
+                     emit: Callable[[OutputDelta], None], use_audio_in_video: bool = False,
+                     session: str | None = None) -> Request:
         """A request from chat messages (through the processor) or prompt ids; sampling as objects or dicts.
-        `use_audio_in_video`: videos bring their audio track, interleaved with their frames."""
+        `use_audio_in_video`: videos bring their audio track, interleaved with their frames; `session`: its
+        conversation (the thinker replica of the session's last request takes it, while up)."""
         if (messages is None) == (prompt_token_ids is None):
             raise ValueError("give exactly one of messages and prompt_token_ids")
         prompt = (PromptInputs(list(prompt_token_ids)) if messages is None
@@ -120,8 +147,9 @@ class Orchestrator:
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
         talker = self.stages.talkers[0] if want_audio and self.stages.talkers else None
-        check_fits(len(prompt.input_ids), sp, tp, self.stages.thinker.kv_capacity, talker and talker.kv_capacity)
-        return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio)
+        check_fits(len(prompt.input_ids), sp, tp, self.stages.thinkers[0].kv_capacity, talker and talker.kv_capacity)
+        return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio,
+                       session=session)
 
     def _process(self, messages: list[dict], use_audio_in_video: bool) -> PromptInputs:
         """Through the worker processes when there are any and the messages carry media; text stays here (its
@@ -130,21 +158,31 @@ class Orchestrator:
         return process(messages, use_audio_in_video)
 
     def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,
-                     sampling: Any, talker_sampling: Any, emit: Callable[[OutputDelta], None]) -> PromptStream:
+                     sampling: Any, talker_sampling: Any, emit: Callable[[OutputDelta], None],
+                     session: str | None = None) -> PromptStream:
         """A request whose last user message ends with an audio still arriving (`PromptStream.append_audio`,
         then `close`): what comes before it is prefilled now, the audio's encoder windows as they complete.
         Refused as `make_request` refuses; aborted as any request."""
         def make(m: list[dict]) -> Request:
             return self.make_request(request_id, m, None, want_audio=want_audio, voice=voice,
-                                     sampling=sampling, talker_sampling=talker_sampling, emit=emit)
+                                     sampling=sampling, talker_sampling=talker_sampling, emit=emit,
+                                     session=session)
 
-        return open_stream(self.processor, check_text(messages), make, self.stages.thinker.add,
-                           self.add_request, early=self.placement != "ray")
+        return open_stream(self.processor, check_text(messages), make, self._to_thinker,
+                           self.add_request, early=self.placement == "local")
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
         requests failed, busy steps with their wall seconds and batch rows (for /metrics)."""
         return {h.name: h.stats() for h in self.stages}
+
+    def health(self) -> dict[str, Any]:
+        """"ok"; "degraded" while a replica is started again and its stage has another up; "unavailable"
+        while none of a stage's is up, or once the engine has failed. `replicas`: those not up."""
+        down = {h.name: h.state for h in self.stages if h.state != "up"}
+        groups = (self.stages.thinkers, self.stages.talkers, self.stages.code2wavs)
+        serving = self.error is None and all(any(h.state == "up" for h in g) for g in groups if g)
+        return {"status": "unavailable" if not serving else "degraded" if down else "ok", "replicas": down}
 
     @property
     def error(self) -> BaseException | None:
@@ -171,14 +209,18 @@ class Orchestrator:
             if self._error is not None:
                 raise EngineDeadError(f"the engine has failed: {self._error!r}")
             self.requests[req.request_id] = req
-        self.stages.thinker.add(req)
+        try:
+            self._to_thinker(req)
+        except NoReplicaError:
+            self._forget(req.request_id)
+            raise
 
     def _forget(self, request_id: str) -> bool:
         with self._done:
             was_in_flight = self.requests.pop(request_id, None) is not None
             self._done.notify_all()
-        self.talker_router.release(request_id)
-        self.code2wav_router.release(request_id)
+        for router in (self.thinker_router, self.talker_router, self.code2wav_router):
+            router.release(request_id)
         return was_in_flight
 
     def abort(self, request_id: str) -> bool:

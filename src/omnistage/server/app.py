@@ -82,7 +82,11 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
         if error is not None:
             return JSONResponse({"status": "error", "error": "a stage has failed; see the server's log"},
                                 status_code=503)
-        return JSONResponse({"status": "ok"})
+        health = getattr(engine, "health", lambda: {"status": "ok", "replicas": {}})()
+        if health["status"] == "ok":
+            return JSONResponse({"status": "ok"})
+        # NOTE: degraded still serves (200): a load balancer keeps sending; unavailable (503) until one is up
+        return JSONResponse(health, status_code=200 if health["status"] == "degraded" else 503)
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -106,7 +110,8 @@ def create_app(engine: EngineClient, model_name: str, deploy: DeployConfig, voic
         voice = resolve_voice(req.audio.voice, voices) if req.audio else None
         head, clock = ResponseHead(model=model_name), RequestClock()
         deltas = await until_disconnect(request, start_request(engine, head.id, messages, sampling, talker,
-                                                               voice, req.use_audio_in_video))
+                                                               voice, req.use_audio_in_video,
+                                                               req.prompt_cache_key))
         if req.stream:
             body = _stream(req, head, deltas, engine, clock, metrics, transcripts)
             return StreamingResponse(body, media_type="text/event-stream")

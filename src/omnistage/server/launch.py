@@ -129,7 +129,8 @@ def json_object(text: str | None, flag: str) -> dict:
 
 def deploy_overrides(args: argparse.Namespace) -> dict:
     """Top-level deploy keys from the flags: --deploy-overrides, then the flags named after keys over it."""
-    keys = ("max_waiting_requests", "max_waiting_tokens", "placement", "gpu_memory_utilization")
+    keys = ("max_waiting_requests", "max_waiting_tokens", "placement", "gpu_memory_utilization",
+            "data_parallel_size")
     flags = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
     return deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), flags)
 
@@ -202,9 +203,13 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
     p.add_argument("--placement", choices=PLACEMENTS, default=None,
-                   help="local: every stage replica in this process; ray: each in a Ray actor, GPUs from the "
-                        "deploy `devices`, on the cluster at RAY_ADDRESS or a new local one (default: the "
-                        "deploy config's placement)")
+                   help="local: every stage replica in this process; process: each in a worker process of "
+                        "its own; ray: each in a Ray actor, GPUs from the deploy `devices`, on the cluster at "
+                        "RAY_ADDRESS or a new local one (default: the deploy config's placement)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
+                   help="N pipelines (thinker, talker, code2wav), the deploy layout repeated on the next GPUs, "
+                        "behind one server: requests to the least loaded, a realtime session's (a chat "
+                        "prompt_cache_key's) to one (default: the deploy config's data_parallel_size, 1)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="fraction of each GPU's memory this process may use, less what other processes hold; "
                         "what weights and CUDA graphs leave goes to the KV caches (default: the deploy "

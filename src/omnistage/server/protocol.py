@@ -178,6 +178,7 @@ class ChatCompletionRequest(_Strict):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    prompt_cache_key: str | None = Field(None, max_length=1024)  # requests sharing one go to one thinker replica
     ignore_eos: StrictBool | None = None
     use_audio_in_video: StrictBool = False
     mm_processor_kwargs: MMProcessorKwargs | None = None

@@ -16,7 +16,7 @@ from starlette.requests import ClientDisconnect, Request
 
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
-from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
+from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded, NoReplicaError
 from omnistage.server.errors import OpenAIError, bad_request, overloaded, public_message, unavailable
 from omnistage.server.metrics import ServerMetrics
 
@@ -31,10 +31,11 @@ class EngineClient(Protocol):
 
     def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                  talker_sampling: TalkerSamplingParams | None, voice: str | None,
-                 use_audio_in_video: bool) -> AsyncIterator[OutputDelta]: ...
+                 use_audio_in_video: bool, session: str | None = None) -> AsyncIterator[OutputDelta]: ...
 
     async def open_request(self, request_id: str, messages: list[dict], sampling: SamplingParams,
-                           talker_sampling: TalkerSamplingParams | None, voice: str | None) -> StreamingInput:
+                           talker_sampling: TalkerSamplingParams | None, voice: str | None,
+                           session: str | None = None) -> StreamingInput:
         """A request whose last user message ends with an audio still arriving (AsyncOmni.open_request);
         raises ValueError or EngineOverloaded (refused)."""
 
@@ -97,10 +98,12 @@ class RequestClock:
 
 async def start_request(engine: EngineClient, request_id: str, messages: list[dict], sampling: SamplingParams,
                         talker_sampling: TalkerSamplingParams | None, voice: str | None,
-                        use_audio_in_video: bool = False) -> AsyncIterator[OutputDelta]:
-    """The request's deltas once the engine has admitted it (see `admitted`)."""
+                        use_audio_in_video: bool = False, session: str | None = None
+                        ) -> AsyncIterator[OutputDelta]:
+    """The request's deltas once the engine has admitted it (see `admitted`); `session`: its conversation's
+    id (a realtime session's, a chat request's `prompt_cache_key`), which keeps it on one thinker replica."""
     return await admitted(engine.generate(request_id, messages, sampling, talker_sampling, voice,
-                                          use_audio_in_video))
+                                          use_audio_in_video, session=session))
 
 
 async def admitted(deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDelta]:
@@ -114,6 +117,8 @@ async def admitted(deltas: AsyncIterator[OutputDelta]) -> AsyncIterator[OutputDe
         raise bad_request(public_message(str(e)), getattr(e, "param", None)) from None
     except EngineOverloaded as e:
         raise overloaded(str(e), e.retry_after) from None
+    except NoReplicaError:
+        raise unavailable("Every replica of a stage is being started again; try again shortly.") from None
     except EngineDeadError:
         raise unavailable("The engine has failed and cannot take requests; see the server's log.") from None
     return _prepend(first, deltas)

@@ -28,6 +28,10 @@ class StageHandle(Protocol):
     @property
     def alive(self) -> bool: ...
 
+    @property
+    def state(self) -> str:
+        """"up", "restarting" (a replica process started again: it takes no request meanwhile) or "dead"."""
+
     def start(self) -> None: ...
 
     def stop(self) -> None: ...
@@ -77,6 +81,10 @@ class LocalStage:
     def alive(self) -> bool:
         return self.worker.alive
 
+    @property
+    def state(self) -> str:
+        return "up" if self.worker.alive else "dead"
+
     def start(self) -> None:
         self.worker.start()
 
@@ -86,9 +94,10 @@ class LocalStage:
 
 @dataclass
 class StageHandles:
-    """The thinker, the talker replicas and the code2wav replicas (none without audio output)."""
+    """The thinker replicas (data-parallel pipelines), the talker replicas and the code2wav replicas (none
+    without audio output)."""
 
-    thinker: StageHandle
+    thinkers: list[StageHandle]
     talkers: list[StageHandle]
     code2wavs: list[StageHandle]
 
@@ -96,9 +105,9 @@ class StageHandles:
     def of(cls, handles: list[tuple[str, StageHandle]]) -> StageHandles:
         """From (stage name, handle) pairs."""
         by = {name: [h for n, h in handles if n == name] for name in ("thinker", "talker", "code2wav")}
-        return cls(by["thinker"][0], by["talker"], by["code2wav"])
+        return cls(by["thinker"], by["talker"], by["code2wav"])
 
     def __iter__(self) -> Iterator[StageHandle]:
-        yield self.thinker
+        yield from self.thinkers
         yield from self.talkers
         yield from self.code2wavs

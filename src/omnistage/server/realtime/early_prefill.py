@@ -36,8 +36,9 @@ class EarlyPrefill:
     """A session's open request for the turn being spoken (at most one)."""
 
     def __init__(self, engine: EngineClient, voices: Sequence[str], deploy: DeployConfig,
-                 metrics: ServerMetrics) -> None:
+                 metrics: ServerMetrics, session: str | None = None) -> None:
         self.engine, self.voices, self.deploy, self.metrics = engine, voices, deploy, metrics
+        self.session = session  # the realtime session's id (its requests' thinker replica)
         self._open: StreamingInput | None = None
         self._key: RequestKey | None = None
         self._taken: StreamingInput | None = None  # taken by a response whose task has not closed it yet
@@ -56,7 +57,7 @@ class EarlyPrefill:
         try:
             response, *request = new_response(settings, ResponseParams(), pending, self.voices, self.deploy)
             key = _key(response, *request)
-            self._open = await self.engine.open_request(response.id, *key)
+            self._open = await self.engine.open_request(response.id, *key, session=self.session)
         except (RealtimeError, ValueError, EngineOverloaded, EngineDeadError) as e:
             logger.debug("realtime turn %s not streamed: %s", item_id, e)
             return

@@ -24,8 +24,9 @@ if TYPE_CHECKING:
 
 
 class Player:
-    def __init__(self, ctx: SessionContext, early: EarlyPrefill, emit: Emit) -> None:
-        self.ctx, self.early, self._emit = ctx, early, emit
+    def __init__(self, ctx: SessionContext, early: EarlyPrefill, emit: Emit, session: str) -> None:
+        """`session`: the session's id, which keeps its requests on one thinker replica (its prefix cache)."""
+        self.ctx, self.early, self._emit, self.session = ctx, early, emit, session
         self.response: Response | None = None
 
     @property
@@ -56,7 +57,8 @@ class Player:
         def start() -> Awaitable[AsyncIterator[OutputDelta]]:
             if stream is not None:
                 return self.early.close(stream, messages)
-            return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice)
+            return start_request(self.ctx.engine, response.id, messages, sampling, talker, voice,
+                                 session=self.session)
 
         response.task = asyncio.create_task(self._play(response, start))
 

@@ -64,8 +64,8 @@ class RealtimeSession:
         self._detector: TurnDetector | None = None
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
-        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.metrics)
-        self._player = Player(ctx, self._early, self._emit)
+        self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.metrics, self.id)
+        self._player = Player(ctx, self._early, self._emit, self.id)
         self._transcriber = Transcriber(ctx, self._emit)
 
     async def start(self) -> None:

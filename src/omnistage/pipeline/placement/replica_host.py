@@ -1,12 +1,11 @@
-"""The actor side of `placement: ray`: one stage replica in a Ray actor, built by `placement.build_replica`
-and driven by its own `StageWorker` thread, as in the local placement.
+"""The far side of a remote stage replica (`placement: process`: a worker process; `placement: ray`: a Ray
+actor): the replica built by `placement.build_sized_replicas`, driven by its own `StageWorker` thread as in the
+local placement, its KV cache sized by `sizing.py` with a per-host budget (see `ReplicaHost.__init__`).
 
-Its KV cache is sized by `sizing.py` as in the local placement, with a per-actor budget (see `__init__`).
-
-A request reaches the actor once as a plain copy (`request_spec`), then its payloads by id. What the
-stage does to a request (output deltas, a part done, payloads for the next stage, failures) queues as an
-`Event` in the actor's outbox, which the driver's `RayStage` pump drains and dispatches to the driver's
-request and router. Payload tensors are copied to the CPU before they leave the actor.
+A request reaches the replica once as a plain copy (`request_spec`), then its payloads by id. What the stage
+does to a request (output deltas, a part done, payloads for the next stage, failures) queues as an `Event` in
+the outbox, which the driver's `RemoteStage` pump drains and dispatches to the driver's request and router.
+Payload tensors are copied to the CPU before they leave the replica.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import threading
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
-import ray
 import torch
 
 from omnistage.engine.request import Request
@@ -25,7 +23,7 @@ from omnistage.pipeline.placement.local import (
 from omnistage.pipeline.placement.sizing import kv_shares
 from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 
-# The Request fields the stages read: a request's plain copy in an actor is built from these.
+# The Request fields the stages read: a request's plain copy in a replica is built from these.
 SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
 
 # (kind, request id, payload, the copy's usage, the copy's finish_reason); kinds: "emit" (an OutputDelta),
@@ -35,7 +33,7 @@ Event = tuple[str, str | None, Any, Any, str | None]
 
 
 def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
-    """The order actors are built in: code2wav (no KV cache) first, then the thinker, the talkers last."""
+    """The order replicas are built in: code2wav (no KV cache) first, then the thinkers, the talkers last."""
     rank = {"code2wav": 0, "thinker": 1, "talker": 2}
     return sorted(replicas, key=lambda r: rank[r[0]])
 
@@ -57,21 +55,22 @@ def to_cpu(payload: Any) -> Any:
     return replace(payload, **changes)
 
 
-@ray.remote(concurrency_groups={"outbox": 1})
-class StageActor:
-    """`handle` (batches of adds and aborts) runs in the actor's default group (one thread: in submission
-    order); `drain` in its own group, so a waiting drain never holds it up."""
+class ReplicaHost:
+    """`handle` takes batches of adds and aborts in the driver's order; `drain` (another thread may wait in
+    it meanwhile) hands the events queued since the last drain."""
 
     def __init__(self, p: Placement, name: str, replica: int, worker_name: str, tokenizer: Any = None,
-                 tts: torch.Tensor | None = None) -> None:
+                 tts: torch.Tensor | None = None, rebuilt: bool = False) -> None:
+        """`rebuilt`: started again after it died, the others running: it takes all its device has left."""
         self.p = p
         self.outbox: Inbox[Event] = Inbox(threading.Event())
         self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
-        # NOTE: a per-actor budget: of what its GPU has left when it starts, its share among the replicas on
+        # NOTE: a per-replica budget: of what its GPU has left when it starts, its share among the replicas on
         # its deploy device index still to be built (in `build_order`, one after another): the last takes all.
         order = [(n, i) for n, i, _ in build_order(replica_names(p))]
         key = (name, replica)
-        groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i in order[order.index(key):]}
+        later = [key] if rebuilt else order[order.index(key):]
+        groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i in later}
         self.stage = build_sized_replicas(p, [key], kv_shares(p, groups), {name: self._to_next},
                                           tokenizer=tokenizer, tts=tts)[key]
         device = p.place(name, replica)[0]
@@ -81,11 +80,14 @@ class StageActor:
         return {"kv_capacity": kv_capacity(self.stage), "stats": worker_stats(self.worker)}
 
     def tts_embeds(self) -> torch.Tensor:
-        """The thinker actor's tts embeddings, for the talker actors."""
+        """A thinker replica's tts embeddings, for the talker replicas."""
         return tts_embeds(self.p, self.stage.thinker).to("cpu", copy=True)
 
     def start(self) -> None:
         self.worker.start()
+
+    def stop(self) -> None:
+        self.worker.stop()
 
     def handle(self, ops: list[tuple[str, str, dict[str, Any] | None, Any]]) -> None:
         """(`"add"`, request_id, spec, payload) and (`"abort"`, request_id, ...) in the driver's order."""
@@ -96,7 +98,7 @@ class StageActor:
                 self.add(request_id, spec, payload)
 
     def add(self, request_id: str, spec: dict[str, Any] | None, payload: Any) -> None:
-        """`spec` comes with a request's first payload to this actor; `payload` None: the request itself."""
+        """`spec` comes with a request's first payload to this replica; `payload` None: the request itself."""
         req = self.requests.get(request_id)
         if req is None:
             if spec is None:
@@ -110,14 +112,13 @@ class StageActor:
             req.aborted = True
         self.worker.abort(request_id)
 
-    @ray.method(concurrency_group="outbox")
     def drain(self, timeout: float) -> tuple[list[Event], dict[str, int | float]]:
         """The events queued so far (waits up to `timeout` s for one), and the stage's stats now."""
         return self.outbox.wait_drain(timeout), worker_stats(self.worker)
 
     def _open(self, spec: dict[str, Any]) -> Request:
         req = Request(**spec, emit=lambda delta: self._event("emit", req, delta))
-        # NOTE: the driver's request counts the parts done (the thinker's and code2wav's are in two actors).
+        # NOTE: the driver's request counts the parts done (the thinker's and code2wav's are in two replicas).
         req.part_done = lambda: self._event("part_done", req, forget=True)
         self.requests[req.request_id] = req
         return req

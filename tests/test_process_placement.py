@@ -1,0 +1,201 @@
+"""`placement: process` (every stage replica in a worker process of its own) and data-parallel thinkers, on the
+CPU: the same tokens, codes and audio as the local placement; a session stays on one thinker; aborts free
+every process; a killed replica process fails only its requests, is started again, and serves as before.
+
+One engine of six processes (2 thinkers, 2 talkers, 2 code2wavs) and its local twin serve the whole file."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from omnistage.config_loader import default_deploy_config, load_deploy_config
+from omnistage.entrypoints.omni import ChatResult, Omni
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline.connector import TextChunk
+from omnistage.pipeline.placement import wire
+
+from graph_helpers import settle
+from test_engine import conv, greedy
+
+KV = 16 << 20
+VOICES = ["Ethan", "Aiden", "Chelsie"]
+REPLICAS = ("thinker0", "thinker1", "talker0", "talker1", "code2wav0", "code2wav1")
+
+
+def deploy(d):
+    stages = {s: {"replicas": 2, **({} if s == "code2wav" else {"kv_cache_memory": KV})}
+              for s in ("thinker", "talker", "code2wav")}
+    return load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"stages": stages})
+
+
+@pytest.fixture(scope="module")
+def engines():
+    d = tiny_checkpoint("tiny")
+    remote = local = None
+    try:
+        remote = Omni(d, deploy=deploy(d), device="cpu", placement="process")
+        local = Omni(d, deploy=deploy(d), device="cpu")
+        yield remote, local
+    finally:
+        for o in (remote, local):
+            if o is not None:
+                o.engine.shutdown()
+
+
+def start(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
+    """Greedy requests (every fourth one text only; all with `frames` 0), added to the engine; their streams
+    fill the results."""
+    results = [ChatResult() for _ in ids]
+    for i, (rid, r) in enumerate(zip(ids, results)):
+        o.engine.add_request(o.engine.make_request(
+            rid, conv(i), None, want_audio=i % 4 != 3 and frames > 0, voice=VOICES[i % 3], emit=r.add,
+            session=session, **greedy(tokens, max(frames, 1))))
+    return results
+
+
+def run(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
+    results = start(o, ids, tokens, frames, session)
+    settle(lambda: check(all(r.finish_reason is not None for r in results)), 60)
+    return results
+
+
+def check(flag: bool) -> None:
+    assert flag
+
+
+def same(x: ChatResult, y: ChatResult) -> None:
+    assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason == "length"
+    assert x.usage == y.usage
+    if y.codes is not None:
+        assert np.array_equal(x.codes, y.codes)
+        np.testing.assert_allclose(x.audio, y.audio, atol=1e-6)
+
+
+def rows(o: Omni, before: dict) -> dict[str, int]:
+    after = o.engine.stats()
+    return {name: after[name]["step_rows"] - before[name]["step_rows"] for name in REPLICAS}
+
+
+def test_same_tokens_codes_and_audio_as_the_local_placement(engines) -> None:
+    remote, local = engines
+    assert set(remote.engine.stats()) == set(REPLICAS) == set(local.engine.stats())
+    before = remote.engine.stats()
+    ids = [f"same{i}" for i in range(8)]
+    for x, y in zip(run(remote, ids, 8, 15), run(local, ids, 8, 15)):
+        same(x, y)
+        assert x.usage.completion_tokens == 8 and x.usage.audio_frames == (0 if y.codes is None else 15)
+    settle(lambda: check(all(rows(remote, before).values())), 10)  # every process did part of the work
+    assert sum(rows(remote, before)[f"talker{i}"] for i in (0, 1)) == 6 * 15
+
+
+def test_a_session_stays_on_one_thinker(engines) -> None:
+    remote, local = engines
+    for turn in range(3):
+        before = remote.engine.stats()
+        (x,), (y,) = run(remote, [f"s{turn}"], 4, 0, session="alice"), run(local, [f"s{turn}"], 4, 0)
+        assert x.token_ids == y.token_ids
+        settle(lambda: check(sum(rows(remote, before)[t] > 0 for t in ("thinker0", "thinker1")) == 1), 10)
+        on = [t for t in ("thinker0", "thinker1") if rows(remote, before)[t] > 0]
+        assert on == [f"thinker{remote.engine.thinker_router._sessions['alice']}"]
+
+
+def all_free(o: Omni) -> None:
+    for name, s in o.engine.stats().items():
+        assert s["active"] == 0 and s["queue_depth"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
+    for r in (o.engine.thinker_router, o.engine.talker_router, o.engine.code2wav_router):
+        assert r.load == [0, 0]
+    assert not o.engine.requests
+
+
+def test_abort_mid_stream_frees_every_process(engines) -> None:
+    remote, _ = engines
+    frames = remote.engine.stages.talkers[0].kv_capacity // 2 - 64
+    ids = [f"abort{i}" for i in range(3)]
+    results = start(remote, ids, 30, frames)
+    settle(lambda: check(all(r.audio is not None for r in results)), 30)
+    for rid in ids:
+        assert remote.engine.abort(rid)
+    settle(lambda: all_free(remote), 30)
+    assert all(r.finish_reason is None for r in results)
+
+
+def test_a_killed_replica_process_fails_only_its_requests_and_comes_back(engines) -> None:
+    remote, local = engines
+    engine, talker = remote.engine, remote.engine.stages.talkers[0]
+    ids = [f"kill{i}" for i in range(4)]
+    long = start(remote, ids[:3], 30, talker.kv_capacity // 2 - 64)  # audio: talker0 takes two of them
+    settle(lambda: check(all(r.audio is not None for r in long)), 30)
+    on_talker0 = {rid for rid in ids[:3] if engine.talker_router._of[rid] == 0}
+    assert len(on_talker0) == 2
+    talker.link.process.kill()
+    settle(lambda: check(all(r.finish_reason == "error" for rid, r in zip(ids, long) if rid in on_talker0)), 20)
+    assert [r.finish_reason for rid, r in zip(ids, long) if rid not in on_talker0] == [None]  # still playing
+    assert engine.error is None and engine.health()["status"] in ("degraded", "ok")
+    while_down = run(remote, ["while_down"], 5, 6)  # to talker1 while talker0 is being started again
+    same(while_down[0], run(local, ["while_down"], 5, 6)[0])
+    for rid in set(ids[:3]) - on_talker0:
+        assert engine.abort(rid)
+    settle(lambda: check(engine.health() == {"status": "ok", "replicas": {}}), 60)
+    assert engine.stats()["talker0"]["restarts"] == 1 and engine.stats()["talker1"]["restarts"] == 0
+    again = run(remote, [f"again{i}" for i in range(4)], 6, 12)
+    for x, y in zip(again, run(local, [f"again{i}" for i in range(4)], 6, 12)):
+        same(x, y)
+    assert sorted(engine.talker_router.load) == [0, 0]
+    settle(lambda: all_free(remote), 30)
+
+
+def test_a_killed_thinker_process_leaves_the_other_pipeline_serving(engines) -> None:
+    remote, local = engines
+    engine = remote.engine
+    results = start(remote, ["t0", "t1"], 200, 0)  # text only, one per thinker (least loaded)
+    assert sorted(engine.thinker_router._of[r] for r in ("t0", "t1")) == [0, 1]
+    victim = engine.thinker_router._of["t0"]
+    engine.stages.thinkers[victim].link.process.kill()
+    settle(lambda: check(results[0].finish_reason == "error"), 20)
+    assert engine.health()["replicas"] == {f"thinker{victim}": "restarting"}
+    assert engine.health()["status"] == "degraded"
+    (x,), (y,) = run(remote, ["during"], 4, 5), run(local, ["during"], 4, 5)
+    same(x, y)
+    assert engine.thinker_router._of.get("during") is None  # released after it finished
+    assert engine.abort("t1")
+    settle(lambda: check(engine.health()["status"] == "ok"), 60)
+    settle(lambda: all_free(remote), 30)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool,
+                                   torch.float8_e4m3fn])
+def test_wire_carries_tensors_bit_exact(dtype) -> None:
+    t = (torch.randn(3, 5) * 4).to(dtype)
+    back = wire.loads(wire.dumps({"x": [t, t[1:, 2:], torch.tensor(7), t[:0]]}))["x"]
+    assert back[0].dtype == dtype and torch.equal(back[0].view(torch.uint8), t.view(torch.uint8))
+    assert torch.equal(back[1].float(), t[1:, 2:].float()) and back[1].is_contiguous()
+    assert back[2].item() == 7 and back[2].shape == () and back[3].shape == (0, 5)
+
+
+def test_a_payload_costs_its_own_bytes_only() -> None:
+    """A view pickles its rows, not its storage: a late token's chunk costs what the first one's does."""
+    history = torch.randn(4096, 64)
+    first, late = (TextChunk(None, history[i]) for i in (0, 4000))
+    sizes = [len(wire.dumps(c)) for c in (first, late)]
+    assert sizes[0] == sizes[1] < 64 * 4 + 400
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_on_the_gpu_the_same_as_the_local_placement() -> None:
+    """Three processes on one GPU (CUDA in each, payloads through the host) against the local placement."""
+    d = tiny_checkpoint("tiny")
+    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={
+        "stages": {s: {"cuda_graph": False, "dtype": "float32"} for s in ("thinker", "talker", "code2wav")}})
+    remote = local = None
+    try:
+        remote = Omni(d, deploy=cfg, device="cuda", placement="process")
+        local = Omni(d, deploy=cfg, device="cuda")
+        ids = [f"gpu{i}" for i in range(4)]
+        for x, y in zip(run(remote, ids, 8, 12), run(local, ids, 8, 12)):
+            same(x, y)
+    finally:
+        for o in (remote, local):
+            if o is not None:
+                o.engine.shutdown()
