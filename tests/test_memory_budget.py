@@ -64,7 +64,7 @@ def test_weights_that_do_not_fit_are_refused_before_loading():
         "over more GPUs (--deploy-config 2x80gb: the thinker on GPU 0, the talker and code2wav on GPU 1); "
         "raise --gpu-memory-utilization (now 0.80) if nothing else needs the card; free the memory other "
         "processes hold; smaller KV caches (kv_cache_memory in bytes), CUDA-graph sets and max_batch_size in "
-        "the deploy config; quantized weights (--quantization) are not supported yet.")
+        "the deploy config; FP8 weights for the thinker and talker (--quantization fp8).")
 
 
 def test_too_little_kv_for_one_request_is_refused_with_the_numbers():

@@ -16,6 +16,7 @@ from typing import Any
 import yaml
 
 from omnistage.config import DEPLOY_DIR, STAGE_NAMES, ConfigError, DeployConfig, StageConfig
+from omnistage.config_rules import QUANTIZED_STAGES
 from omnistage.platform import PLATFORMS, detect_platform, platform_from_name
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 from omnistage.utils import deep_merge
@@ -102,6 +103,8 @@ def _check_stage(name: str, stage: StageConfig, platform: str) -> None:
         (bool(big), "cuda_graph_batch_sizes", f"must be <= max_batch_size ({n}), got {big}"),
         (stage.cuda_graph and not platform_from_name(platform).supports_cuda_graph, "cuda_graph",
          f"CUDA graphs are not available on platform {platform!r}"),
+        (name not in QUANTIZED_STAGES and stage.quantization is not None, "quantization",
+         f"only the thinker and the talker may be quantised, got {stage.quantization!r}"),
     ]
     for bad, key, why in problems:
         if bad:

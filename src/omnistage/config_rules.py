@@ -10,6 +10,8 @@ from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
 PLACEMENTS = ("local", "process", "ray")
+QUANTIZATIONS = ("fp8",)
+QUANTIZED_STAGES = ("thinker", "talker")  # the stages that may set `quantization`
 
 
 def rule(ok: Callable[[Any], bool], why: str, convert: Callable[[Any], Any] = copy.deepcopy) -> Callable:
@@ -52,6 +54,7 @@ interval = rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool
 utilization = rule(lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1,
                      "must be a fraction in (0, 1] of each device's memory", float)
 placement = rule(lambda v: v in PLACEMENTS, f"must be one of {', '.join(PLACEMENTS)}")
+quantization = rule(lambda v: v is None or v in QUANTIZATIONS, f"must be null or one of {', '.join(QUANTIZATIONS)}")
 
 
 def opt(default: Any, check: Callable[[Any], Any]) -> Any:

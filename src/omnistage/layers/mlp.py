@@ -1,6 +1,7 @@
 """Dense SwiGLU MLP (Qwen3 `gate_proj` / `up_proj` / `down_proj`); `fuse_projections` merges gate and up
 into one GEMM whose output `silu_mul` turns into the activation in one kernel (CUDA fast path); at decode row
-counts the GEMM and the activation are one kernel (`gate_up_silu_mul`)."""
+counts the GEMM and the activation are one kernel (`gate_up_silu_mul`); `quantize_fp8` holds the projections in FP8
+(the merged gate/up weight quantised per row)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.layers import triton_activation, triton_linear, triton_ops
-from omnistage.layers.linear import linear, merge_linears
+from omnistage.layers.linear import linear, merge_linears, project, quantize_linears
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -20,11 +21,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def gate_up_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
-    """`silu_mul(F.linear(x, gate_up_weight))`: one skinny Triton GEMM where `triton_linear` supports it."""
-    if triton_linear.supports(x, gate_up_weight, gated=True):
-        return triton_linear.linear_silu_mul(x, gate_up_weight)
-    return silu_mul(F.linear(x, gate_up_weight))
+def gate_up_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, scale: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """`silu_mul(linear(x, gate_up_weight, scale=scale))`: one skinny Triton GEMM where `triton_linear` supports
+    it."""
+    if triton_linear.supports(x, gate_up_weight, gated=True, scale=scale):
+        return triton_linear.linear_silu_mul(x, gate_up_weight, scale)
+    return silu_mul(F.linear(x, gate_up_weight) if scale is None else linear(x, gate_up_weight, scale=scale))
 
 
 class SwiGLUMLP(nn.Module):
@@ -34,12 +37,19 @@ class SwiGLUMLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
         self.gate_up_weight: torch.Tensor | None = None
+        self.gate_up_scale: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         """gate_proj and up_proj as one GEMM (their weights become views into `gate_up_weight`)."""
         self.gate_up_weight, _ = merge_linears([self.gate_proj, self.up_proj])
 
+    def quantize_fp8(self) -> None:
+        """The three projections in FP8 (`layers.linear.Fp8Linear`; once fused, `gate_up_weight` too)."""
+        self.gate_up_weight, self.gate_up_scale = quantize_linears(self, ["gate_proj", "up_proj"],
+                                                                   self.gate_up_weight)
+        quantize_linears(self, ["down_proj"], None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_weight is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return linear(gate_up_silu_mul(x, self.gate_up_weight), self.down_proj.weight, self.down_proj.bias)
+        return project(gate_up_silu_mul(x, self.gate_up_weight, self.gate_up_scale), self.down_proj)

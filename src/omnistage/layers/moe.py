@@ -9,6 +9,9 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
   (deterministic, no atomics). With `fast_path` the routing and this bookkeeping run as Triton
   kernels (`layers.triton_moe`), the torch sort staying for long prefills;
 - fused (fast path, decode sizes): both expert GEMMs and the activation in Triton (`layers.triton_fused_moe`).
+FP8 experts (`scales`: fp32 per expert per output row, `layers.fp8`): the fused kernel loads E4M3 tiles (weight-only);
+the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm` (dequantised experts where torch
+lacks it); the reference loop dequantises each hit expert.
 """
 
 from __future__ import annotations
@@ -17,12 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import triton_fused_moe, triton_moe
+from omnistage.layers import fp8, triton_fused_moe, triton_moe
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
 from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
+Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,12 +41,15 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
 
 def fused_experts_reference(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                            weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+                            weights: torch.Tensor, ids: torch.Tensor, scales: Scales | None = None) -> torch.Tensor:
     out = torch.zeros_like(x)
     for e in ids.unique().tolist():
         token, slot = torch.where(ids == e)
-        gate, up = F.linear(x[token], w_gate_up[e]).chunk(2, dim=-1)
-        y = F.linear(F.silu(gate) * up, w_down[e]) * weights[token, slot, None]
+        w13, w2 = w_gate_up[e], w_down[e]
+        if scales is not None:
+            w13, w2 = fp8.dequantize(w13, scales[0][e], x.dtype), fp8.dequantize(w2, scales[1][e], x.dtype)
+        gate, up = F.linear(x[token], w13).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, w2) * weights[token, slot, None]
         out.index_add_(0, token, y)
     return out
 
@@ -67,29 +74,44 @@ def add_shared(out: torch.Tensor, shared: Shared | None) -> torch.Tensor:
     return out if shared is None else out + torch.sigmoid(shared[0]) * shared[1]
 
 
+def grouped_mm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """Rows of `a` sorted by expert times `w [E, N, K]`'s experts transposed; FP8 `w` (`scale [E, N]`): `a`
+    quantised per row, `torch._scaled_grouped_mm`, out in a's dtype."""
+    if scale is None:
+        return torch._grouped_mm(a, w.transpose(1, 2), offs=offs)
+    aq, a_scale = fp8.quantize_rows(a)
+    return torch._scaled_grouped_mm(aq, w.transpose(1, 2), a_scale, scale, offs=offs, out_dtype=a.dtype)
+
+
 def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-                          ids: torch.Tensor, fused_ops: bool = False, shared: Shared | None = None) -> torch.Tensor:
+                          ids: torch.Tensor, fused_ops: bool = False, shared: Shared | None = None,
+                          scales: Scales | None = None) -> torch.Tensor:
     kernel_sort = fused_ops and ids.numel() <= triton_moe.MAX_ALIGN_SLOTS
     token, pos, offs = (triton_moe.moe_align if kernel_sort else sort_by_expert)(ids, w_gate_up.shape[0])
-    gate_up = torch._grouped_mm(x[token], w_gate_up.transpose(1, 2), offs=offs)
-    y = torch._grouped_mm(silu_mul(gate_up), w_down.transpose(1, 2), offs=offs)
+    s13, s2 = (None, None) if scales is None else scales
+    gate_up = grouped_mm(x[token], w_gate_up, offs, s13)
+    y = grouped_mm(silu_mul(gate_up), w_down, offs, s2)
     if fused_ops:
         return triton_moe.moe_unpermute(y, weights, pos, shared)
     return add_shared(unpermute(y, weights, pos), shared)
 
 
-def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor,
-                  weights: torch.Tensor, ids: torch.Tensor, shared: Shared | None = None) -> torch.Tensor:
+def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
+                  ids: torch.Tensor, shared: Shared | None = None, scales: Scales | None = None) -> torch.Tensor:
     """Path choice: on the fast path up to `triton_fused_moe.MAX_SLOTS` bf16 slots (decode) the fused Triton
-    experts; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned; with `fast_path` its bookkeeping in
-    Triton kernels); the reference loop otherwise. `shared` is added as `add_shared` adds it (in the un-permute
-    kernel on the fast path)."""
+    experts; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned, FP8 ones 16 elements; with `fast_path` its
+    bookkeeping in Triton kernels); the reference loop otherwise. `shared` is added as `add_shared` adds it (in the
+    un-permute kernel on the fast path); `scales`: the experts are FP8 (see the module docstring)."""
     if fast_path(x) and x.dtype == torch.bfloat16 and ids.numel() <= triton_fused_moe.MAX_SLOTS:
-        return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared)
-    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w_down.shape[-1]))
+        return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared, scales)
+    row = 16 if scales is not None else 16 // x.element_size()
+    aligned = all(n % row == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
-        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x), shared)
-    return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids), shared)
+        if scales is not None and not hasattr(torch, "_scaled_grouped_mm"):
+            w_gate_up, w_down = (fp8.dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
+            scales = None
+        return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x), shared, scales)
+    return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids, scales), shared)
 
 
 class FusedExperts(nn.Module):
@@ -97,10 +119,24 @@ class FusedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        self.register_buffer("gate_up_scale", None)
+        self.register_buffer("down_scale", None)
+
+    @torch.no_grad()
+    def quantize_fp8(self) -> None:
+        """Both expert weights in E4M3 with fp32 scales per expert per output row (`layers.fp8`)."""
+        for name in ("gate_up_proj", "down_proj"):
+            w = getattr(self, name)
+            q, scale = torch.empty_like(w, dtype=fp8.FP8), w.new_empty(w.shape[:2], dtype=torch.float32)
+            for e in range(0, w.shape[0], 16):  # NOTE: 16 experts at a time: fp32 temporaries of 16, not of all
+                q[e:e + 16], scale[e:e + 16] = fp8.quantize_rows(w[e:e + 16])
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), scale)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: Shared | None = None
                 ) -> torch.Tensor:
-        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, shared)
+        scales = None if self.gate_up_scale is None else (self.gate_up_scale, self.down_scale)
+        return fused_experts(x, self.gate_up_proj, self.down_proj, weights, ids, shared, scales)
 
 
 class SparseMoeBlock(nn.Module):

@@ -8,7 +8,8 @@ At decode each hit expert gets 1-2 token rows, so the step is bound by reading t
 - plain: `act @ W_down[e]^T` -> `y [T*k, H]`, then `triton_moe.moe_unpermute` scales by the routing
   weights and sums each token's k rows in a fixed order (deterministic, no atomics).
 It rounds where the grouped path rounds (each GEMM output, the silu, the product, the weighted rows), so only
-the GEMMs' summation order differs. The grid is fixed by T*k and E (`max_blocks`): each program finds its
+the GEMMs' summation order differs. FP8 experts (`scales`, weight-only): E4M3 tiles converted to x's dtype as they
+load, each GEMM's fp32 sums times its expert's row scales before the rounding. The grid is fixed by T*k and E (`max_blocks`): each program finds its
 block's expert from `offs` itself and programs past the last block exit; no host syncs, CUDA-graph capturable.
 """
 
@@ -44,12 +45,13 @@ if triton_ops.triton is not None:
         return e, rows, rows < tl.sum(tl.where(mine, end, 0), 0)
 
     @triton.jit
-    def _expert_gemm_kernel(a_ptr, w_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn,
+    def _expert_gemm_kernel(a_ptr, w_ptr, scale_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn, stride_se,
                             NUM_EXPERTS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
-                            E_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            HAS_SCALE: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[rows, cols] of one block of sorted rows (one expert e) and one column tile: GATED, rows of `a`
-        read through `token`, silu(a @ W[e, cols]^T) * (a @ W[e, N + cols]^T); else a[rows] @ W[e, cols]^T."""
+        read through `token`, silu(a @ W[e, cols]^T) * (a @ W[e, N + cols]^T); else a[rows] @ W[e, cols]^T.
+        HAS_SCALE: W in FP8, row c of expert e's sums times scale[e, c]."""
         e, rows, row_m = _block_rows(offs_ptr, tl.program_id(0), NUM_EXPERTS, E_PAD, BLOCK_M)
         if e >= NUM_EXPERTS:
             return
@@ -61,14 +63,19 @@ if triton_ops.triton is not None:
         w = w_ptr + e.to(tl.int64) * stride_we + cols[:, None] * stride_wn + ks[None, :]
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        dt = out_ptr.dtype.element_ty
         for k0 in range(0, K, BLOCK_K):
             k_m = k0 + ks < K
             x = tl.load(a + k0, mask=row_m[:, None] & k_m[None, :], other=0.0)
             w_m = col_m[:, None] & k_m[None, :]
-            acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0)), acc)
+            acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0).to(dt)), acc)
             if GATED:
-                acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0)), acc_up)
-        dt = out_ptr.dtype.element_ty
+                acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0).to(dt)), acc_up)
+        if HAS_SCALE:
+            s = scale_ptr + e.to(tl.int64) * stride_se + cols
+            acc *= tl.load(s, mask=col_m, other=0.0)[None, :]
+            if GATED:
+                acc_up *= tl.load(s + N, mask=col_m, other=0.0)[None, :]
         out = acc.to(dt)
         if GATED:
             out = silu_mul_rounded(out.to(tl.float32), acc_up.to(dt).to(tl.float32), dt)
@@ -83,9 +90,10 @@ def max_blocks(num_slots: int, num_experts: int) -> int:
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
-                gated: bool) -> torch.Tensor:
+                gated: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
-    with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N]."""
+    with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N];
+    `scale [E, rows of w]`: `w` is FP8."""
     a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
@@ -93,18 +101,23 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
     n //= 2 if gated else 1
     out = a.new_empty(token.numel(), n)
     grid = (max_blocks(token.numel(), num_experts), triton.cdiv(n, BLOCK_N))
-    _expert_gemm_kernel[grid](a, w, token, offs, out, w.stride(0), w.stride(1), NUM_EXPERTS=num_experts,
-                              N=n, K=k, GATED=gated, E_PAD=triton.next_power_of_2(num_experts),
+    scale_arg = out if scale is None else scale
+    _expert_gemm_kernel[grid](a, w, scale_arg, token, offs, out, w.stride(0), w.stride(1), scale_arg.stride(0),
+                              NUM_EXPERTS=num_experts, N=n, K=k, GATED=gated, HAS_SCALE=scale is not None,
+                              E_PAD=triton.next_power_of_2(num_experts),
                               BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
                               num_stages=NUM_STAGES)
     return out
 
 
 def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
-              ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+              ids: torch.Tensor, shared: tuple[torch.Tensor, torch.Tensor] | None = None,
+              scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """`out [T, H]` of `x [T, H]` through the experts `ids [T, k]` weighted by `weights [T, k]`;
-    `w_gate_up [E, 2I, H]` (gate rows first), `w_down [E, H, I]`; `shared`: see `triton_moe.moe_unpermute`."""
+    `w_gate_up [E, 2I, H]` (gate rows first), `w_down [E, H, I]`; `shared`: see `triton_moe.moe_unpermute`;
+    `scales`: FP8 experts' row scales (`[E, 2I]`, `[E, H]`)."""
     # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
+    s13, s2 = (None, None) if scales is None else scales
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
-    act = expert_gemm(x, w_gate_up, token, offs, gated=True)
-    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, gated=False), weights, pos, shared)
+    act = expert_gemm(x, w_gate_up, token, offs, True, s13)
+    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, False, s2), weights, pos, shared)

@@ -5,8 +5,10 @@ With 1-64 rows a GEMM is bound by streaming its weight. One program computes a [
 over all of K (fp32 sums, pipelined weight loads); with SPLIT_K > 1 it sums one K slice into an fp32 workspace
 and a second kernel adds the slices in order (deterministic, no atomics). GATED: `silu(x @ Wg^T) * (x @ Wu^T)`
 of the merged `[2I, K]` gate_up weight, the gate and up tiles of the same columns in one program, rounded
-where eager rounds (each GEMM output, then `triton_activation.silu_mul_rounded`). Tiles: `CONFIGS` (from
-scripts/linear_bench.py on the H200), else `config`'s heuristic. `OMNISTAGE_TRITON_LINEAR=0` turns it off.
+where eager rounds (each GEMM output, then `triton_activation.silu_mul_rounded`). FP8 weights (`layers.fp8`,
+weight-only): E4M3 tiles loaded and converted to x's dtype, the fp32 sums times the row scales (any shape: `CONFIGS`'
+None entries compare bf16 with cuBLAS). Tiles: `CONFIGS` (from scripts/linear_bench.py on the H200), else
+`config`'s heuristic. `OMNISTAGE_TRITON_LINEAR=0` turns it off.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import fp8, triton_ops
 
 ENABLED = os.environ.get("OMNISTAGE_TRITON_LINEAR", "1") != "0"
 MAX_M = 64
@@ -72,12 +74,14 @@ if triton_ops.triton is not None:
         return out
 
     @triton.jit(do_not_specialize=["M"])
-    def _skinny_gemm_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
-                            K_SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                            SPLIT_K: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
+                            K_SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            GATED: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[rows, cols] of x[rows] @ w[cols]^T (GATED: and of w[N + cols]); SPLIT_K > 1: the fp32 sums over
-        K slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols)."""
+        K slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols).
+        HAS_SCALE: `w` in FP8, row c's sums times scale[c]."""
+        dt = x_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_m, col_m = rows < M, cols < N
@@ -88,11 +92,15 @@ if triton_ops.triton is not None:
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         for k0 in range(0, K_SPLIT, BLOCK_K):  # NOTE: the host fits BLOCK_K to divide K_SPLIT: no K mask
             a = tl.load(x + k0, mask=row_m[:, None], other=0.0)
-            b = tl.load(w + k0, mask=col_m[:, None], other=0.0)
+            b = tl.load(w + k0, mask=col_m[:, None], other=0.0).to(dt)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PRECISION)
             if GATED:
-                b_up = tl.load(w + N * K + k0, mask=col_m[:, None], other=0.0)
+                b_up = tl.load(w + N * K + k0, mask=col_m[:, None], other=0.0).to(dt)
                 acc_up = tl.dot(a, tl.trans(b_up), acc_up, input_precision=PRECISION)
+        if HAS_SCALE:
+            acc *= tl.load(scale_ptr + cols, mask=col_m, other=0.0)[None, :]
+            if GATED:
+                acc_up *= tl.load(scale_ptr + N + cols, mask=col_m, other=0.0)[None, :]
         out_m = row_m[:, None] & col_m[None, :]
         if SPLIT_K == 1:
             out = _finish(acc, acc_up, bias_ptr, cols[None, :], col_m[None, :], out_ptr.dtype.element_ty,
@@ -124,15 +132,17 @@ if triton_ops.triton is not None:
         tl.store(out_ptr + row * N + cols, out, mask=col_m)
 
 
-def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def supports(x: torch.Tensor, weight: torch.Tensor, gated: bool = False, scale: torch.Tensor | None = None
+             ) -> bool:
     """The skinny kernels take `x [M, K]` (unit column stride, 1 <= M <= MAX_M) and a contiguous
-    `weight [N, K]` of x's dtype, K and N multiples of 16, on the fast path, unless `CONFIGS` leaves the shape
-    to cuBLAS."""
+    `weight [N, K]` of x's dtype (with `scale`: FP8, x not fp32), K and N multiples of 16, on the fast path,
+    unless `CONFIGS` leaves the (bf16) shape to cuBLAS."""
+    dtype_ok = weight.dtype == x.dtype if scale is None else weight.dtype == fp8.FP8 and x.dtype != torch.float32
     return (ENABLED and triton_ops.fast_path(x) and x.dim() == 2 and x.stride(1) == 1
             and 0 < x.shape[0] <= MAX_M and weight.dim() == 2 and weight.is_contiguous()
-            and weight.dtype == x.dtype and weight.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
+            and dtype_ok and weight.shape[1] == x.shape[1] and x.shape[1] % 16 == 0
             and weight.shape[0] % 16 == 0 and weight.numel() < 2**31
-            and CONFIGS.get((*weight.shape, m_bucket(x.shape[0]), gated), ()) is not None)
+            and (scale is not None or CONFIGS.get((*weight.shape, m_bucket(x.shape[0]), gated), ()) is not None))
 
 
 def m_bucket(m: int) -> int:
@@ -157,20 +167,23 @@ def _fit(k: int, block_k: int, split_k: int) -> tuple[int, int]:
     return block_k, split_k
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool) -> torch.Tensor:
+def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, gated: bool,
+            scale: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
     block_m, block_n, block_k, warps, stages, split = config(weight.shape[0], k, m, gated)
     block_k, split = _fit(k, block_k, split)
     out = x.new_empty(m, n)
     bias_arg = out if bias is None else bias.contiguous()
+    scale_arg = out if scale is None else scale
     flags = dict(HAS_BIAS=bias is not None, GATED=gated, SPLIT_K=split)
     # NOTE: fp32 inputs: tl.dot would multiply in tf32 on a GPU where F.linear does not.
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     ws = out if split == 1 else torch.empty(split, m, n * (2 if gated else 1), device=x.device,
                                             dtype=torch.float32)
     _skinny_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
-        x, weight, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, PRECISION=precision,
+        x, weight, scale_arg, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, HAS_SCALE=scale is not None,
+        PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags)
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
@@ -178,11 +191,13 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """`F.linear(x, weight, bias)` of `x [M, K]` -> `[M, N]` (see `supports`)."""
-    return _launch(x, weight, bias, gated=False)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` of `x [M, K]` -> `[M, N]` (see `supports`); `scale`: of an FP8 `weight`'s rows."""
+    return _launch(x, weight, bias, False, scale)
 
 
-def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor) -> torch.Tensor:
+def linear_silu_mul(x: torch.Tensor, gate_up_weight: torch.Tensor, scale: torch.Tensor | None = None
+                    ) -> torch.Tensor:
     """`silu(x @ Wg^T) * (x @ Wu^T)` of `gate_up_weight [2I, K]` (gate rows first) -> `[M, I]`."""
-    return _launch(x, gate_up_weight, None, gated=True)
+    return _launch(x, gate_up_weight, None, True, scale)

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from omnistage.config import ConfigError, DeployConfig
 from omnistage.config_loader import load_deploy_config, resolve_deploy_config
-from omnistage.config_rules import PLACEMENTS
+from omnistage.config_rules import PLACEMENTS, QUANTIZATIONS, QUANTIZED_STAGES
 from omnistage.media.warm import warm_media
 from omnistage.pipeline.placement.memory import MemoryBudgetError
 from omnistage.platform import detect_platform
@@ -128,10 +128,13 @@ def json_object(text: str | None, flag: str) -> dict:
 
 
 def deploy_overrides(args: argparse.Namespace) -> dict:
-    """Top-level deploy keys from the flags: --deploy-overrides, then the flags named after keys over it."""
+    """Deploy keys from the flags: --deploy-overrides, then the flags named after keys over it
+    (--quantization: the thinker's and the talker's; --stage-overrides still wins over these)."""
     keys = ("max_waiting_requests", "max_waiting_tokens", "placement", "gpu_memory_utilization",
             "data_parallel_size")
     flags = {k: getattr(args, k) for k in keys if getattr(args, k) is not None}
+    if args.quantization is not None:
+        flags["stages"] = {name: {"quantization": args.quantization} for name in QUANTIZED_STAGES}
     return deep_merge(json_object(args.deploy_overrides, "--deploy-overrides"), flags)
 
 
@@ -214,6 +217,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="fraction of each GPU's memory this process may use, less what other processes hold; "
                         "what weights and CUDA graphs leave goes to the KV caches (default: the deploy "
                         "config's gpu_memory_utilization, 0.90)")
+    p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
+                   help="fp8: the thinker's and talker's projections and experts quantised at load, FP8 weights "
+                        "with per-row scales (default: the deploy config's stage `quantization`, none)")
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $OMNISTAGE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")

@@ -6,7 +6,7 @@
 Every attention has q/k RMSNorm over head_dim (before RoPE) and reads the paged KV cache through the
 `ForwardContext` (see `omnistage.layers.context`). Module names mirror the checkpoint's.
 `fuse_projections` (CUDA, after loading) runs q/k/v, each dense gate/up and a router with its shared expert's gate
-as one GEMM.
+as one GEMM; `quantize_fp8` (after that) holds the projections and experts in FP8 (`layers.fp8`).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from omnistage.layers.attention import Attention
-from omnistage.layers.linear import linear, merge_linears
+from omnistage.layers.linear import linear, merge_linears, project, quantize_linears
 from omnistage.layers.mlp import SwiGLUMLP
-from omnistage.layers.moe import SparseMoeBlock
+from omnistage.layers.moe import FusedExperts, SparseMoeBlock
 from omnistage.layers.norm import RMSNorm, add_rms_norm, rms_norm_qk
 from omnistage.layers.rotary import RotaryEmbedding
 
@@ -98,14 +98,20 @@ class DecoderAttention(nn.Module):
         self.attn = Attention(nh, kv, hd, hd**-0.5)
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
+        self.qkv_scale: torch.Tensor | None = None
 
     def fuse_projections(self) -> None:
         """q/k/v as one GEMM (their weights become views into `qkv_weight`)."""
         self.qkv_weight, self.qkv_bias = merge_linears([self.q_proj, self.k_proj, self.v_proj])
 
+    def quantize_fp8(self) -> None:
+        """q/k/v (once fused, `qkv_weight` per row) and o_proj in FP8 (`layers.linear.Fp8Linear`)."""
+        self.qkv_weight, self.qkv_scale = quantize_linears(self, ["q_proj", "k_proj", "v_proj"], self.qkv_weight)
+        quantize_linears(self, ["o_proj"], None)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         q, k, v = self._qkv(x, cos, sin) if self.qkv_weight is None else self._qkv_fused(x, cos, sin)
-        return linear(self.attn(q, k, v).flatten(1), self.o_proj.weight, self.o_proj.bias)
+        return project(self.attn(q, k, v).flatten(1), self.o_proj)
 
     def _qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         t = x.shape[0]
@@ -115,7 +121,7 @@ class DecoderAttention(nn.Module):
 
     def _qkv_fused(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """One GEMM; q/k normed straight from its output, v a strided view of it (no copies)."""
-        qkv = linear(x, self.qkv_weight, self.qkv_bias).view(x.shape[0], -1, self.head_dim)
+        qkv = linear(x, self.qkv_weight, self.qkv_bias, self.qkv_scale).view(x.shape[0], -1, self.head_dim)
         nqk = self.num_heads + self.num_kv_heads
         q, k = rms_norm_qk(qkv[:, :nqk], self.q_norm.weight, self.k_norm.weight, self.num_heads,
                            self.q_norm.eps, cos, sin)
@@ -188,3 +194,13 @@ def fuse_projections(module: nn.Module) -> None:
     for m in module.modules():
         if isinstance(m, (DecoderAttention, SwiGLUMLP, SparseMoeBlock)):
             m.fuse_projections()
+
+
+def quantize_fp8(module: nn.Module) -> None:
+    """`--quantization fp8`: every decoder attention's q/k/v/o, dense SwiGLU (the code predictor's layers, the
+    talker's shared expert) and routed experts in `module` held in FP8 with per-row scales; embeddings, norms,
+    routers (and the shared expert's gate), heads and everything outside the decoders as they are.
+    NOTE: after `fuse_projections` (merged weights are quantised as one), never before it."""
+    for m in list(module.modules()):
+        if isinstance(m, (DecoderAttention, SwiGLUMLP, FusedExperts)):
+            m.quantize_fp8()

@@ -11,7 +11,7 @@ from torch import nn
 from transformers import Qwen3OmniMoeConfig
 
 from omnistage.layers import triton_ops
-from omnistage.models.qwen3_omni.decoder import fuse_projections
+from omnistage.models.qwen3_omni.decoder import fuse_projections, quantize_fp8
 from omnistage.models.qwen3_omni.weights import init_dummy_weights, load_stage_weights
 
 FULL_SIZE_CONFIG = Path(__file__).parent / "configs" / "qwen3_omni_30b_a3b_instruct.json"
@@ -58,12 +58,24 @@ def stage_module(config: Qwen3OmniMoeConfig, stage: str) -> nn.Module:
     raise ValueError(f"unknown stage {stage!r}")
 
 
+def quantize_stage(module: nn.Module, quantization: str | None) -> nn.Module:
+    """A loaded stage's weights as the deploy key `quantization` asks: None as they are, "fp8" the decoders'
+    projections and experts in FP8 (`decoder.quantize_fp8`; thinker and talker only, `config_loader` checks)."""
+    if quantization == "fp8":
+        quantize_fp8(module)
+    elif quantization is not None:
+        raise ValueError(f"unknown quantization {quantization!r}")
+    return module
+
+
 def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path | None = None,
                 load_format: str = "auto", device: str | torch.device = "cpu",
-                dtype: str | torch.dtype | None = None, seed: int = 0) -> nn.Module:
+                dtype: str | torch.dtype | None = None, seed: int = 0, quantization: str | None = None
+                ) -> nn.Module:
     """A stage on `device` in `dtype`, eval mode: weights from `model_dir` (load_format "auto") or
     seeded random weights made on the device itself (load_format "dummy"). On CUDA (the fast path, unless
-    OMNISTAGE_FUSED_OPS=0) the decoders' projections are then merged (`decoder.fuse_projections`)."""
+    OMNISTAGE_FUSED_OPS=0) the decoders' projections are then merged (`decoder.fuse_projections`), and then
+    quantised as `quantize_stage` does."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
     with torch.device(device), _default_dtype(dtype):
@@ -79,4 +91,4 @@ def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path
         raise ValueError(f"unknown load_format {load_format!r}; use 'auto' or 'dummy'")
     if device.type == "cuda" and triton_ops.ENABLED:
         fuse_projections(module)
-    return module
+    return quantize_stage(module, quantization)

@@ -76,7 +76,7 @@ def options(utilization: float) -> str:
             "thinker on GPU 0, the talker and code2wav on GPU 1); raise --gpu-memory-utilization (now "
             f"{utilization:.2f}) if nothing else needs the card; free the memory other processes hold; "
             "smaller KV caches (kv_cache_memory in bytes), CUDA-graph sets and max_batch_size in the deploy "
-            "config; quantized weights (--quantization) are not supported yet.")
+            "config; FP8 weights for the thinker and talker (--quantization fp8).")
 
 
 def check_weights(device: str, mem: DeviceMemory, utilization: float, stages: list[StageMemory]) -> None:

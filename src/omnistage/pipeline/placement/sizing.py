@@ -26,7 +26,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.layers.attention import Attention
-from omnistage.models.qwen3_omni.model import stage_module
+from omnistage.models.qwen3_omni.model import quantize_stage, stage_module
 from omnistage.pipeline.placement.memory import (DeviceMemory, MemoryBudgetError, StageMemory, budget,
                                                  check_weights, gib, kv_summary, min_blocks, plan_kv,
                                                  profiling_oom, relative_shares)
@@ -49,10 +49,11 @@ def device_memory(device: torch.device) -> DeviceMemory | None:
     return DeviceMemory(total, free)
 
 
-def weight_bytes(config: Any, name: str, dtype: torch.dtype) -> int:
-    """A stage's parameters and buffers in `dtype`, counted on the meta device (nothing allocated)."""
+def weight_bytes(config: Any, name: str, dtype: torch.dtype, quantization: str | None = None) -> int:
+    """A stage's parameters and buffers in `dtype` (FP8 ones and their scales as `quantization` leaves them),
+    counted on the meta device (nothing allocated)."""
     with torch.device("meta"):
-        return module_bytes(stage_module(config, name).to(dtype))
+        return module_bytes(quantize_stage(stage_module(config, name).to(dtype), quantization))
 
 
 def module_bytes(module: torch.nn.Module) -> int:
@@ -108,15 +109,18 @@ class Loaded:
 
 
 def load_modules(p: Any, keys: list[Key]) -> Loaded:
-    """Each replica's module on its device, once the weights of every CUDA device passed `check_weights`."""
+    """Each replica's module on its device, once the weights of every CUDA device passed `check_weights`;
+    each quantised (deploy `quantization`) as soon as it is loaded.
+    NOTE: a quantised stage is loaded in its dtype first: the load's peak holds that stage's unquantised weights."""
     places = {k: p.place(*k) for k in keys}
     devices = list(dict.fromkeys(d for d, _ in places.values()))
     memory = {d: m for d in devices if (m := device_memory(d)) is not None}
     for d, mem in memory.items():
-        stages = [StageMemory(label(p, k), weight_bytes(p.config, k[0], dt))
+        stages = [StageMemory(label(p, k), weight_bytes(p.config, k[0], dt, p.deploy.stage(k[0]).quantization))
                   for k, (dev, dt) in places.items() if dev == d]
         check_weights(str(d), mem, p.deploy.gpu_memory_utilization, stages)
-    return Loaded({k: p.build(*k) for k in keys}, places, memory)
+    modules = {k: quantize_stage(p.build(*k), p.deploy.stage(k[0]).quantization) for k in keys}
+    return Loaded(modules, places, memory)
 
 
 def label(p: Any, key: Key) -> str:

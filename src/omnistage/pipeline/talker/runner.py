@@ -51,7 +51,7 @@ class TalkerGraphRunner:
                  block_size: int, scratch_block: int, penalties: PenaltyTable) -> None:
         """Buckets `batch_sizes` (<= max_batch_size); block tables of up to `max_width` blocks; padding
         rows write `scratch_block`. Captures CUDA graphs when the talker is on a CUDA device."""
-        p = next(talker.parameters())
+        p = talker.model.norm.weight
         dev = p.device
         self.talker, self.batch_sizes, self.penalties = talker, sorted(batch_sizes), penalties
         self.max_width, self.block_size = max_width, block_size

@@ -40,7 +40,7 @@ class TalkerStage(AsyncOutputStep):
         given and the prompts fit, else eagerly) plus its head graph; one KV block is then reserved for
         padding rows."""
         self.talker, self.to_code2wav = talker, to_code2wav
-        p = next(talker.parameters())
+        p = talker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
         talker.set_tts_embeds(thinker_tts_embeds.to(self.device))
         self.tokens = TalkerTokens.from_config(config)

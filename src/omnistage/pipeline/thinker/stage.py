@@ -47,7 +47,7 @@ class ThinkerStage(AsyncOutputStep):
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
-        p = next(thinker.parameters())
+        p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
         self.blocks = BlockManager(num_blocks, block_size, encoder_cache_bytes)  # NOTE: the prefix's mm rows
         allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)

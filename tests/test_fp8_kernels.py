@@ -1,0 +1,90 @@
+"""The FP8 kernels (layers/fp8.py's weights) against the dequantised reference: the skinny GEMM and the fused MoE in
+Triton's interpreter on the CPU (fp32); on the GPU in bf16, with the path choice of `linear.linear` and
+`moe.fused_experts` (`_scaled_mm`, `_scaled_grouped_mm`) and CUDA-graph capture (GPU-only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import KERNEL_DEVICE as DEV
+
+from omnistage.layers import fp8, linear, mlp, moe, triton_fused_moe, triton_linear, triton_ops
+
+GPU = DEV == "cuda"
+triton_only = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
+cuda_only = pytest.mark.skipif(not GPU, reason="the CUDA paths (_scaled_mm, _scaled_grouped_mm, bf16 kernels)")
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def fp8_operands(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5 * torch.rand(n, 1, generator=g)
+    x, b = torch.randn(m, k, generator=g), torch.randn(n, generator=g)
+    q, scale = fp8.quantize_rows(w)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    return x.to(DEV, dtype), q.to(DEV), scale.to(DEV), b.to(DEV, dtype)
+
+
+@triton_only
+@pytest.mark.parametrize("tiles", [None, (16, 16, 16, 4, 2, 3)])  # the heuristic; split-K 3
+@pytest.mark.parametrize("m", [1, 5, 17])
+def test_skinny_gemm_with_fp8_weights(monkeypatch, tiles: tuple | None, m: int) -> None:
+    x, q, scale, b = fp8_operands(96, 48, m, m)
+    for gated in (False, True):
+        if tiles is not None:
+            monkeypatch.setitem(triton_linear.CONFIGS, (96, 48, triton_linear.m_bucket(m), gated), tiles)
+    w = fp8.dequantize(q, scale, x.dtype)
+    tol = 1e-2 if GPU else 1e-5
+    assert rel(triton_linear.linear(x, q, b, scale), F.linear(x, w, b)) < tol
+    assert rel(triton_linear.linear_silu_mul(x, q, scale), mlp.silu_mul(F.linear(x, w))) < tol
+
+
+@triton_only
+@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4)])
+def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    e, h, i = 8, 64, 32
+    x = torch.randn(t, h, generator=g)
+    w13, s13 = fp8.quantize_rows(torch.randn(e, 2 * i, h, generator=g) * h**-0.5)
+    w2, s2 = fp8.quantize_rows(torch.randn(e, h, i, generator=g) * i**-0.5)
+    weights, ids = moe.select_experts(torch.randn(t, e, generator=g), k, True)
+    dtype = torch.bfloat16 if GPU else torch.float32
+    args = [a.to(DEV) for a in (x.to(dtype), w13, w2, weights.to(dtype), ids)]
+    scales = (s13.to(DEV), s2.to(DEV))
+    ref = moe.fused_experts_reference(*[a.float() if a.is_floating_point() and a.dtype != fp8.FP8 else a
+                                        for a in args], scales=scales)
+    assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
+
+
+@cuda_only
+@pytest.mark.parametrize("m", [1, 16, 64, 65, 300])
+def test_cuda_linear_paths(m: int) -> None:
+    """Up to 64 rows the skinny GEMM with FP8 loads (bf16 activations), above `_scaled_mm` with per-token FP8
+    activations: each near the dequantised reference, both capturable in a CUDA graph."""
+    x, q, scale, b = fp8_operands(4096, 2048, m, m)
+    ref = F.linear(x.float(), fp8.dequantize(q, scale, torch.float32), b.float())
+    assert triton_linear.supports(x, q, scale=scale) == (m <= 64)
+    assert rel(linear.linear(x, q, b, scale), ref) < (1e-2 if m <= 64 else 4e-2)
+    graph, out = torch.cuda.CUDAGraph(), None
+    linear.linear(x, q, b, scale)
+    with torch.cuda.graph(graph):
+        out = linear.linear(x, q, b, scale)
+    graph.replay()
+    assert rel(out, ref) < 4e-2
+
+
+@cuda_only
+@pytest.mark.parametrize("t", [8, 300])  # 16 / 600 slots: the fused decode kernel / `_scaled_grouped_mm`
+def test_cuda_moe_paths(t: int) -> None:
+    g = torch.Generator().manual_seed(t)
+    e, h, i, k = 128, 2048, 768, 8  # the thinker's experts
+    w13, s13 = (a.cuda() for a in fp8.quantize_rows(torch.randn(e, 2 * i, h, generator=g) * h**-0.5))
+    w2, s2 = (a.cuda() for a in fp8.quantize_rows(torch.randn(e, h, i, generator=g) * i**-0.5))
+    x = torch.randn(t, h, generator=g).cuda().bfloat16()
+    weights, ids = moe.select_experts(torch.randn(t, e, generator=g).cuda().bfloat16(), k, True)
+    ref = moe.fused_experts_reference(x.float(), w13, w2, weights.float(), ids, scales=(s13, s2))
+    assert rel(moe.fused_experts(x, w13, w2, weights, ids, scales=(s13, s2)), ref) < 5e-2
