@@ -134,7 +134,7 @@ def test_engine_with_fp8_thinker_and_talker() -> None:
     overrides = {"stages": {"thinker": {"quantization": "fp8"}, "talker": {"quantization": "fp8"}}}
     o = Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu", overrides=overrides), device="cpu")
     try:
-        modules = o.engine.stages.thinker.stage.thinker, o.engine.stages.talkers[0].stage.talker
+        modules = o.engine.thinker.thinker, o.engine.talkers[0].talker
         assert all(m.model.layers[0].self_attn.o_proj.weight.dtype == fp8.FP8 for m in modules)
         r = o.chat([{"role": "user", "content": "Say hello."}], sampling={"temperature": 0, "max_tokens": 8},
                    talker_sampling={"temperature": 0, "max_frames": 12, "ignore_eos": True})
