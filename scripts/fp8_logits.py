@@ -26,7 +26,7 @@ def run(m: torch.nn.Module, embeds: torch.Tensor, head: str) -> list[torch.Tenso
     outs: list[torch.Tensor] = []
     hooks = [layer.register_forward_hook(lambda _m, _i, o: outs.append((o[0] + o[1]).float().cpu()))
              for layer in m.model.layers]
-    alloc = StaticBlockAllocator(1, len(embeds) + 16, 16)
+    alloc = StaticBlockAllocator(1, len(embeds) + 16, 16, embeds.device)
     allocate_kv_cache(m, alloc.num_blocks, 16, embeds.dtype, embeds.device)
     try:
         with torch.inference_mode(), forward_context(alloc.context([len(embeds)], [0])):

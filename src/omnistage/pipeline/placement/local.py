@@ -41,6 +41,8 @@ class Placement:
         sc = self.deploy.stage(name)
         dev = torch.device(self.device) if self.device is not None else current_platform().device(
             sc.replica_devices[replica])
+        if dev.type == "cuda" and dev.index is None:  # NOTE: a worker's `torch.cuda.set_device` needs an index
+            dev = torch.device("cuda", 0)
         return dev, resolve_dtype(self.dtype or sc.dtype, dev)
 
     def build(self, name: str, replica: int = 0) -> torch.nn.Module:
