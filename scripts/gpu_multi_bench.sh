@@ -2,7 +2,8 @@
 # Issue 24's runs: each layout on its own server (full-size seeded random weights, as gpu_bench.sh starts it),
 # read-aloud P = BENCH_P (160) at c = BENCH_MULTI_C (64,128), BENCH_K (5) x c requests a row, rows labelled with
 # their layout, into $OUT/results.json (+ results.md); meta.gpus is the GPUs the machine shows.
-#   1gpu: the default deploy config (one pipeline, this process's threads)
+#   1gpu: the default deploy config (one pipeline, this process's threads); 1gpu-process: the same, each stage in a
+#     worker process (the handoff's cost on one GPU)
 #   2gpu / 4gpu: 2 / 4 pipelines, one per GPU, each replica in a worker process (deploy/qwen3_omni_moe_2gpu.yaml)
 #   3gpu: the seed's layout (thinker on GPU 0, two talkers and two code2wavs on GPUs 1-2, worker processes)
 # BENCH_LAYOUTS picks some ("1gpu 2gpu"; default: those the machine's GPUs allow). Targets: 2gpu >= 1.8x and 4gpu
@@ -33,8 +34,11 @@ for layout in "${PICK[@]}"; do
   share=$((($(left) - 10) / todo))
   todo=$((todo - 1))
   end=$((SECONDS + share))
-  config=()
-  [[ $layout != 1gpu ]] && config=(--deploy-config "$layout")
+  case $layout in
+    1gpu) config=() ;;
+    1gpu-process) config=(--placement process) ;;
+    *) config=(--deploy-config "$layout") ;;
+  esac
   BENCH_START_TIMEOUT=${BENCH_START_TIMEOUT:-400} start_server "$OUT/server-$layout.log" "${config[@]}" \
     || { echo "layout $layout: no server"; continue; }
   budget=$((end - SECONDS))
