@@ -187,8 +187,9 @@ def test_on_the_gpu_the_same_as_the_local_placement() -> None:
     """Three processes on one GPU (CUDA in each, payloads through the host) against the local placement."""
     torch.cuda.empty_cache()  # NOTE: memory this process keeps cached counts as another process's to them
     d = tiny_checkpoint("tiny")
-    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={
-        "stages": {s: {"cuda_graph": False, "dtype": "float32"} for s in ("thinker", "talker", "code2wav")}})
+    small = {"cuda_graph": False, "dtype": "float32"}
+    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
+        "thinker": {**small, "kv_cache_memory": KV}, "talker": {**small, "kv_cache_memory": KV}, "code2wav": small}})
     remote = local = None
     try:
         remote = Omni(d, deploy=cfg, device="cuda", placement="process")
