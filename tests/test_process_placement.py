@@ -65,12 +65,12 @@ def check(flag: bool) -> None:
     assert flag
 
 
-def same(x: ChatResult, y: ChatResult) -> None:
+def same(x: ChatResult, y: ChatResult, audio_atol: float = 1e-6) -> None:
     assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason == "length"
     assert x.usage == y.usage
     if y.codes is not None:
         assert np.array_equal(x.codes, y.codes)
-        np.testing.assert_allclose(x.audio, y.audio, atol=1e-6)
+        np.testing.assert_allclose(x.audio, y.audio, atol=audio_atol)
 
 
 def rows(o: Omni, before: dict) -> dict[str, int]:
@@ -195,8 +195,10 @@ def test_on_the_gpu_the_same_as_the_local_placement() -> None:
         remote = Omni(d, deploy=cfg, device="cuda", placement="process")
         local = Omni(d, deploy=cfg, device="cuda")
         ids = [f"gpu{i}" for i in range(4)]
+        # NOTE: code2wav's batches differ between the two runs and CUDA's kernels differ per batch shape: measured
+        # on the H200 up to 5.1e-5 apart (tokens and codes equal)
         for x, y in zip(run(remote, ids, 8, 12), run(local, ids, 8, 12)):
-            same(x, y)
+            same(x, y, audio_atol=2e-4)
     finally:
         for o in (remote, local):
             if o is not None:
