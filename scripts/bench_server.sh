@@ -31,6 +31,28 @@ start_server() {
   return 1
 }
 
+# read_aloud_rows CONCURRENCY K: COMMON, the bench arguments of read-aloud rows (P = BENCH_P, 160) at CONCURRENCY
+# ("16,64"), K x c requests a row, after BENCH_WARMUP (3) requests
+read_aloud_rows() {
+  COMMON=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}"
+          --output-dir "$OUT" --prompt-tokens "${BENCH_P:-160}" --concurrency "$1" --prompts-per-concurrency "$2"
+          --num-prompts 1 --warmup "${BENCH_WARMUP:-3}"
+          ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+}
+
+# bench_variant NAME LOG SECONDS [serve flags]: a server with those flags, then `omnistage bench "${COMMON[@]}"` against
+# it for what is left of SECONDS, its rows labelled NAME; then the server stops
+bench_variant() {
+  local name=$1 log=$2 end=$((SECONDS + $3))
+  shift 3
+  start_server "$log" "$@" || { echo "variant '$name': no server"; return 1; }
+  local budget=$((end - SECONDS))
+  ((budget > 10)) || { echo "variant '$name': no time left"; stop_server; return 1; }
+  echo "[$((SECONDS - T0)) s] variant '$name' (${budget} s)"
+  "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$name"
+  stop_server
+}
+
 # The deploy config as shipped (BENCH_DEPLOY_OVERRIDES: top-level keys, e.g. '{"mm_processor_workers": 8}'); should it
 # fail its smoke request, the newest graphs go first, then all graphs.
 NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'

@@ -28,25 +28,16 @@ STAGES=("" "{\"thinker\": {\"cuda_graph\": false}, \"talker\": {\"cuda_graph\": 
         "{$EQUAL}" "{$EQUAL}" "{$EQUAL}" "")
 DEPLOYS=("" "{$SERIAL, $FIXED}" "{$SERIAL, $FIXED}" "{\"async_output\": false, $FIXED}" "{$FIXED}" "")
 read -ra PICK <<< "${BENCH_VARIANTS:-1 2 3 4 5}"
-COMMON=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}"
-        --output-dir "$OUT" --prompt-tokens "${BENCH_P:-160}" --concurrency "${BENCH_ABLATION_C:-16,32,64}"
-        --prompts-per-concurrency "${BENCH_K:-10}" --num-prompts 1 --warmup "${BENCH_WARMUP:-3}"
-        ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+read_aloud_rows "${BENCH_ABLATION_C:-16,32,64}" "${BENCH_K:-10}"
 todo=${#PICK[@]}
 for v in "${PICK[@]}"; do
   name=${NAMES[$v]}
   share=$((($(left) - 10) / todo))
   todo=$((todo - 1))
-  end=$((SECONDS + share))
   fused=1
   ((v < 5)) && fused=0
-  OMNISTAGE_FUSED_OPS=$fused start_server "$OUT/server-$v.log" ${STAGES[$v]:+--stage-overrides "${STAGES[$v]}"} \
-    ${DEPLOYS[$v]:+--deploy-overrides "${DEPLOYS[$v]}"} || { echo "variant '$name': no server"; continue; }
-  budget=$((end - SECONDS))
-  ((budget > 10)) || { echo "variant '$name': no time left"; stop_server; continue; }
-  echo "[$((SECONDS - T0)) s] variant '$name' (${budget} s)"
-  "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$name"
-  stop_server
+  OMNISTAGE_FUSED_OPS=$fused bench_variant "$name" "$OUT/server-$v.log" "$share" \
+    ${STAGES[$v]:+--stage-overrides "${STAGES[$v]}"} ${DEPLOYS[$v]:+--deploy-overrides "${DEPLOYS[$v]}"}
 done
 echo "[$((SECONDS - T0)) s] done"
 cat "$OUT/results.md"

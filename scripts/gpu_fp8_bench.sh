@@ -21,9 +21,7 @@ if has logits; then
   echo "[$((SECONDS - T0)) s] logits rc=$?"
   tail -2 "$OUT/fp8_logits.log"
 fi
-COMMON=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}"
-        --output-dir "$OUT" --prompt-tokens "${BENCH_P:-160}" --concurrency "${BENCH_FP8_C:-1,64}"
-        --prompts-per-concurrency "${BENCH_K:-4}" --num-prompts 1 --warmup "${BENCH_WARMUP:-3}")
+read_aloud_rows "${BENCH_FP8_C:-1,64}" "${BENCH_K:-4}"
 for q in fp8 bf16; do
   has $q || continue
   flags=()

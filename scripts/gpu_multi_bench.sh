@@ -25,27 +25,18 @@ default="1gpu"
 ((gpus >= 3)) && default+=" 3gpu"
 ((gpus >= 4)) && default+=" 4gpu"
 read -ra PICK <<< "${BENCH_LAYOUTS:-$default}"
-COMMON=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}"
-        --output-dir "$OUT" --prompt-tokens "${BENCH_P:-160}" --concurrency "${BENCH_MULTI_C:-64,128}"
-        --prompts-per-concurrency "${BENCH_K:-5}" --num-prompts 1 --warmup "${BENCH_WARMUP:-3}"
-        ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+read_aloud_rows "${BENCH_MULTI_C:-64,128}" "${BENCH_K:-5}"
 todo=${#PICK[@]}
 for layout in "${PICK[@]}"; do
   share=$((($(left) - 10) / todo))
   todo=$((todo - 1))
-  end=$((SECONDS + share))
   case $layout in
     1gpu) config=() ;;
     1gpu-process) config=(--placement process) ;;
     *) config=(--deploy-config "$layout") ;;
   esac
-  BENCH_START_TIMEOUT=${BENCH_START_TIMEOUT:-400} start_server "$OUT/server-$layout.log" "${config[@]}" \
-    || { echo "layout $layout: no server"; continue; }
-  budget=$((end - SECONDS))
-  ((budget > 10)) || { echo "layout $layout: no time left"; stop_server; continue; }
-  echo "[$((SECONDS - T0)) s] layout $layout (${budget} s)"
-  "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$layout"
-  stop_server
+  BENCH_START_TIMEOUT=${BENCH_START_TIMEOUT:-400} bench_variant "$layout" "$OUT/server-$layout.log" "$share" \
+    "${config[@]}"
 done
 echo "[$((SECONDS - T0)) s] done"
 cat "$OUT/results.md"

@@ -17,6 +17,7 @@ from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.placement import wire
 
 from graph_helpers import settle
+from placement_helpers import twins
 from test_engine import conv, greedy
 
 KV = 16 << 20
@@ -33,15 +34,8 @@ def deploy(d):
 @pytest.fixture(scope="module")
 def engines():
     d = tiny_checkpoint("tiny")
-    remote = local = None
-    try:
-        remote = Omni(d, deploy=deploy(d), device="cpu", placement="process")
-        local = Omni(d, deploy=deploy(d), device="cpu")
-        yield remote, local
-    finally:
-        for o in (remote, local):
-            if o is not None:
-                o.engine.shutdown()
+    with twins(d, deploy(d), "process") as pair:
+        yield pair
 
 
 def start(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
@@ -190,16 +184,9 @@ def test_on_the_gpu_the_same_as_the_local_placement() -> None:
     small = {"cuda_graph": False, "dtype": "float32"}
     cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
         "thinker": {**small, "kv_cache_memory": KV}, "talker": {**small, "kv_cache_memory": KV}, "code2wav": small}})
-    remote = local = None
-    try:
-        remote = Omni(d, deploy=cfg, device="cuda", placement="process")
-        local = Omni(d, deploy=cfg, device="cuda")
+    with twins(d, cfg, "process", "cuda") as (remote, local):
         ids = [f"gpu{i}" for i in range(4)]
         # NOTE: code2wav's batches differ between the two runs and CUDA's kernels differ per batch shape: measured
         # on the H200 up to 5.1e-5 apart (tokens and codes equal)
         for x, y in zip(run(remote, ids, 8, 12), run(local, ids, 8, 12)):
             same(x, y, audio_atol=2e-4)
-    finally:
-        for o in (remote, local):
-            if o is not None:
-                o.engine.shutdown()

@@ -1,7 +1,7 @@
 """`placement: ray` on a local Ray cluster (CPU): every stage replica in an actor gives what the local
 placement gives; aborts free every actor's stage; a killed actor fails the engine as a dead stage thread does.
 
-One Ray engine (5 actors: thinker, 2 talkers, 2 code2wavs) serves the whole file; the kill test is last."""
+One Ray engine (6 actors: 2 thinkers, 2 talkers, 2 code2wavs) serves the whole file; the kill test is last."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from omnistage.pipeline.placement.local import Placement, replica_names
 from omnistage.server.launch import LaunchError, add_serve_args, deploy_config, deploy_overrides
 
 from graph_helpers import settle
+from placement_helpers import twins
 from test_engine import conv, greedy
 
 ray = pytest.importorskip("ray")
@@ -28,7 +29,7 @@ VOICES = ["Ethan", "Aiden", "Chelsie"]
 
 
 def deploy(d):
-    stages = {"thinker": {"kv_cache_memory": KV}, "talker": {"replicas": 2, "kv_cache_memory": KV},
+    stages = {"thinker": {"replicas": 2, "kv_cache_memory": KV}, "talker": {"replicas": 2, "kv_cache_memory": KV},
               "code2wav": {"replicas": 2}}
     return load_deploy_config(default_deploy_config(d), platform="cpu", overrides={"stages": stages})
 
@@ -38,15 +39,10 @@ def engines():
     ray.init(address="local", num_cpus=2, num_gpus=3, include_dashboard=False, object_store_memory=128 << 20,
              log_to_driver=False)
     d = tiny_checkpoint("tiny")
-    remote = local = None
     try:
-        remote = Omni(d, deploy=deploy(d), device="cpu", placement="ray")
-        local = Omni(d, deploy=deploy(d), device="cpu")
-        yield remote, local
+        with twins(d, deploy(d), "ray") as pair:
+            yield pair
     finally:
-        for o in (remote, local):
-            if o is not None:
-                o.engine.shutdown()
         ray.shutdown()
 
 

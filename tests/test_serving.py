@@ -22,7 +22,7 @@ class Engine:
     def __init__(self, refuse: Exception | None = None) -> None:
         self.refuse, self.aborted = refuse, []
 
-    async def generate(self, request_id, messages, sampling, talker_sampling, voice, use_audio_in_video):
+    async def generate(self, request_id, messages, sampling, talker_sampling, voice, use_audio_in_video, session=None):
         if self.refuse is not None:
             raise self.refuse
         yield OutputDelta(request_id, text="Hel")

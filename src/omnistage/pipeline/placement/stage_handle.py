@@ -1,6 +1,6 @@
 """What the orchestrator holds of each stage replica: a handle with one small interface, whether the
-replica runs in this process (`LocalStage`: the stage and its worker thread) or in a Ray actor
-(`pipeline/placement/ray.RayStage`). The request lifecycle in `Orchestrator` is the same for both."""
+replica runs in this process (`LocalStage`: the stage and its worker thread) or in another (`remote.RemoteStage`:
+a worker process or a Ray actor). The request lifecycle in `Orchestrator` is the same for all."""
 
 from __future__ import annotations
 
