@@ -84,6 +84,19 @@ def test_same_tokens_codes_and_audio_as_the_local_placement(engines) -> None:
     assert sum(rows(remote, before)[f"talker{i}"] for i in (0, 1)) == 6 * 15
 
 
+def test_the_stages_phases_reach_the_request(engines) -> None:
+    """Each process marks its copy of the request; the finishing delta has every phase, in the path's order."""
+    remote, _ = engines
+    done = []
+    remote.engine.add_request(remote.engine.make_request(
+        "phases", conv(0), None, want_audio=True, voice="Ethan", emit=lambda d: d.finished and done.append(d),
+        **greedy(4, 6)))
+    settle(lambda: check(len(done) == 1), 30)
+    order = ["encoded", "thinker_start", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio"]
+    times = [done[0].phases[p] for p in order]
+    assert times == sorted(times) and times[0] >= 0, done[0].phases
+
+
 def test_a_session_stays_on_one_thinker(engines) -> None:
     remote, local = engines
     for turn in range(3):

@@ -17,8 +17,8 @@ class Request:
     """`phases`: seconds from `arrival` (its construction; `AsyncOmni`: when it took the request, before its
     prompt was processed) to the first time the request reached each phase (`mark`: prompt (`AsyncOmni`),
     encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
-    delta carries a copy. Recorded with the local placement: with Ray the stages mark their actor's copy of
-    the request, so the driver's request has none."""
+    delta carries a copy. With remote replicas the stages mark their copies: `placement: process` merges those
+    into the driver's request (one host, one clock); with Ray the driver's request has none."""
 
     request_id: str
     prompt: PromptInputs

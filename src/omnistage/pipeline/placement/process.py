@@ -139,4 +139,5 @@ def build_process_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_c
     to_next = {"thinker": to_talker, "talker": to_code2wav}
     return StageHandles.of([(name, RemoteStage(
         links[k], wname, (name, i), to_next.get(name), on_error, lookup, on_state,
-        respawn=lambda k=k: ProcessLink(*args[k], rebuilt=True))) for k, (name, i, wname) in enumerate(replicas)])
+        respawn=lambda k=k: ProcessLink(*args[k], rebuilt=True), same_clock=True))
+        for k, (name, i, wname) in enumerate(replicas)])

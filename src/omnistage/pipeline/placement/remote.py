@@ -53,12 +53,15 @@ class RemoteStage:
     def __init__(self, link: Link, name: str, stage: tuple[str, int], to_next: Callable | None,
                  on_error: Callable[..., None], lookup: Callable[[str], Request | None],
                  on_state: Callable[[str, int, bool], None] | None = None,
-                 respawn: Callable[[], Link] | None = None, on_stop: Callable[[], Any] | None = None) -> None:
+                 respawn: Callable[[], Link] | None = None, on_stop: Callable[[], Any] | None = None,
+                 same_clock: bool = False) -> None:
         """`stage`: (stage name, replica index); `to_next`: the orchestrator's router for this stage's
         payloads; `lookup`: the driver's request in flight by id (None once finished or aborted); `on_state`:
         told when the replica goes down and is up again; `respawn`: builds the replica anew; `on_stop`:
-        after the replica is gone."""
+        after the replica is gone; `same_clock`: the replica's `perf_counter` is this process's (one host),
+        so its copies' phases go into the driver's requests."""
         self.link, self.name, self.stage_key, self.to_next = link, name, stage, to_next
+        self.same_clock = same_clock
         self.on_error, self.lookup, self.on_state, self.respawn, self.on_stop = (
             on_error, lookup, on_state, respawn, on_stop)
         info = link.info()
@@ -135,10 +138,10 @@ class RemoteStage:
                 if not self._stopping:
                     self._died(f"its process died: {e!r}")
                 return
-            for kind, request_id, payload, usage, finish_reason in events:
+            for kind, request_id, payload, usage, finish_reason, phases in events:
                 if kind == "dead":
                     return self._died(payload)
-                self._dispatch(kind, request_id, payload, usage, finish_reason)
+                self._dispatch(kind, request_id, payload, usage, finish_reason, phases if self.same_clock else {})
 
     def _died(self, why: str) -> None:
         logger.error("stage %s: %s", self.name, why)
@@ -177,7 +180,7 @@ class RemoteStage:
             self.on_state(*self.stage_key, True)
 
     def _dispatch(self, kind: str, request_id: str, payload: Any, usage: Usage | None,
-                  finish_reason: str | None) -> None:
+                  finish_reason: str | None, phases: dict[str, float] | None) -> None:
         req = self.lookup(request_id)
         if req is None:
             return  # finished or aborted meanwhile
@@ -186,7 +189,7 @@ class RemoteStage:
         if kind == "part_done" or (kind == "next" and payload.finished):
             self._opened.pop(request_id, None)  # NOTE: its part here is done: this replica's death spares it
         try:
-            merge(req, usage, finish_reason)
+            merge(req, usage, finish_reason, phases)
             if kind == "emit":
                 req.emit(payload)
             elif kind == "part_done":
@@ -198,11 +201,13 @@ class RemoteStage:
             self.on_error(e, [req])
 
 
-def merge(req: Request, usage: Usage, finish_reason: str | None) -> None:
+def merge(req: Request, usage: Usage, finish_reason: str | None, phases: dict[str, float] | None) -> None:
     """What a stage's copy of the request has set into the driver's request: each usage field is set by one
-    stage only (counts only grow), the finish reason by the thinker."""
+    stage only (counts only grow), the finish reason by the thinker, each phase by the first stage reaching it."""
     for f in fields(Usage):
         if getattr(usage, f.name) > getattr(req.usage, f.name):
             setattr(req.usage, f.name, getattr(usage, f.name))
     if finish_reason is not None:
         req.finish_reason = finish_reason
+    for phase, t in (phases or {}).items():
+        req.phases.setdefault(phase, t)

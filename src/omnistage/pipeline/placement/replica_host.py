@@ -26,10 +26,10 @@ from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 # The Request fields the stages read: a request's plain copy in a replica is built from these.
 SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
 
-# (kind, request id, payload, the copy's usage, the copy's finish_reason); kinds: "emit" (an OutputDelta),
-# "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead" (payload: the
-# error's repr; "dead" has no request).
-Event = tuple[str, str | None, Any, Any, str | None]
+# (kind, request id, payload, the copy's usage, the copy's finish_reason, the copy's phases); kinds: "emit" (an
+# OutputDelta), "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead"
+# (payload: the error's repr; "dead" has no request).
+Event = tuple[str, str | None, Any, Any, str | None, dict[str, float] | None]
 
 
 def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, str]]:
@@ -39,7 +39,8 @@ def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, st
 
 
 def request_spec(req: Request) -> dict[str, Any]:
-    return {f: getattr(req, f) for f in SPEC_FIELDS}
+    """The fields, and the driver's `arrival` (the copy's phases count from it)."""
+    return {**{f: getattr(req, f) for f in SPEC_FIELDS}, "arrival": req.arrival}
 
 
 def to_cpu(payload: Any) -> Any:
@@ -117,7 +118,8 @@ class ReplicaHost:
         return self.outbox.wait_drain(timeout), worker_stats(self.worker)
 
     def _open(self, spec: dict[str, Any]) -> Request:
-        req = Request(**spec, emit=lambda delta: self._event("emit", req, delta))
+        req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=lambda delta: self._event("emit", req, delta))
+        req.arrival = spec["arrival"]
         # NOTE: the driver's request counts the parts done (the thinker's and code2wav's are in two replicas).
         req.part_done = lambda: self._event("part_done", req, forget=True)
         self.requests[req.request_id] = req
@@ -126,7 +128,7 @@ class ReplicaHost:
     def _event(self, kind: str, req: Request, payload: Any = None, forget: bool = False) -> None:
         if forget:
             self.requests.pop(req.request_id, None)
-        self.outbox.put((kind, req.request_id, payload, replace(req.usage), req.finish_reason))
+        self.outbox.put((kind, req.request_id, payload, replace(req.usage), req.finish_reason, dict(req.phases)))
 
     def _to_next(self, chunk: Any) -> None:
         self._event("next", chunk.request, to_cpu(replace(chunk, request=None)), forget=chunk.finished)
@@ -134,7 +136,7 @@ class ReplicaHost:
     def _on_error(self, error: BaseException, requests: list[Request] | None = None) -> None:
         """As the orchestrator's: those requests failed here, or (no `requests`) the stage is dead."""
         if requests is None:
-            self.outbox.put(("dead", None, repr(error), None, None))
+            self.outbox.put(("dead", None, repr(error), None, None, None))
         for req in requests or []:
             self.requests.pop(req.request_id, None)
-            self.outbox.put(("fail", req.request_id, repr(error), None, None))
+            self.outbox.put(("fail", req.request_id, repr(error), None, None, None))
