@@ -4,7 +4,7 @@
 # their layout, into $OUT/results.json (+ results.md); meta.gpus is the GPUs the machine shows.
 #   1gpu: the default deploy config (one pipeline, this process's threads); 1gpu-process: the same, each stage in a
 #     worker process (the handoff's cost on one GPU)
-#   2gpu / 4gpu: 2 / 4 pipelines, one per GPU, each replica in a worker process (deploy/qwen3_omni_moe_2gpu.yaml)
+#   2gpu / 4gpu: 2 / 4 pipelines, one per GPU, each pipeline in a worker process (deploy/qwen3_omni_moe_2gpu.yaml)
 #   3gpu: the seed's layout (thinker on GPU 0, two talkers and two code2wavs on GPUs 1-2, worker processes)
 # BENCH_LAYOUTS picks some ("1gpu 2gpu"; default: those the machine's GPUs allow). Targets: 2gpu >= 1.8x and 4gpu
 # >= 3.5x 1gpu's c = 128 req/s; 3gpu >= 35.1 req/s at c = 64 (3 x vLLM-Omni's 11.7).

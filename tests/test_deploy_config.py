@@ -164,10 +164,10 @@ def test_data_parallel_repeats_the_layout_on_the_next_gpus(tiny_dir) -> None:
 
 
 @pytest.mark.parametrize("layout, placement, devices", [
-    ("2gpu", "process", {"thinker": (0, 1), "talker": (0, 1), "code2wav": (0, 1)}),
-    ("4gpu", "process", {"thinker": (0, 1, 2, 3), "talker": (0, 1, 2, 3), "code2wav": (0, 1, 2, 3)}),
+    ("2gpu", "pipeline", {"thinker": (0, 1), "talker": (0, 1), "code2wav": (0, 1)}),
+    ("4gpu", "pipeline", {"thinker": (0, 1, 2, 3), "talker": (0, 1, 2, 3), "code2wav": (0, 1, 2, 3)}),
     ("3gpu", "process", {"thinker": (0,), "talker": (1, 2), "code2wav": (1, 2)}),
-    ("4x80gb", "process", {"thinker": (0, 2), "talker": (1, 3), "code2wav": (1, 3)}),
+    ("4x80gb", "pipeline", {"thinker": (0, 2), "talker": (1, 3), "code2wav": (1, 3)}),
 ])
 def test_the_multi_gpu_layouts(tiny_dir, layout, placement, devices) -> None:
     cfg = load_deploy_config(default_deploy_config(tiny_dir, layout), "cuda")

@@ -153,7 +153,7 @@ def test_placement_flag_and_deploy_key(tiny_dir) -> None:
     args = add_serve_args(argparse.ArgumentParser()).parse_args(["--deploy-overrides", '{"placement":"ray"}'])
     assert deploy_config(tiny_dir, None, None, "cpu", deploy_overrides(args)).placement == "ray"
     assert deploy_config(tiny_dir, None, None, "cpu").placement == "local"
-    with pytest.raises(LaunchError, match="placement: must be one of local, process, ray"):
+    with pytest.raises(LaunchError, match="placement: must be one of local, pipeline, process, ray"):
         deploy_config(tiny_dir, None, None, "cpu", {"placement": "mpi"})
 
 

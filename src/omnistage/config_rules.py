@@ -9,7 +9,7 @@ from dataclasses import field
 from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
-PLACEMENTS = ("local", "process", "ray")
+PLACEMENTS = ("local", "pipeline", "process", "ray")
 QUANTIZATIONS = ("fp8",)
 QUANTIZED_STAGES = ("thinker", "talker")  # the stages that may set `quantization`
 

@@ -70,10 +70,12 @@ class Orchestrator:
             from omnistage.pipeline.placement.ray import build_ray_stages
 
             return build_ray_stages(*args, lookup=self.requests.get, on_state=self._on_state)
-        if self.placement == "process":
+        if self.placement in ("process", "pipeline"):
+            from omnistage.pipeline.placement.pipeline import build_pipeline_stages
             from omnistage.pipeline.placement.process import build_process_stages
 
-            return build_process_stages(*args, lookup=self.requests.get, on_state=self._on_state)
+            build = build_process_stages if self.placement == "process" else build_pipeline_stages
+            return build(*args, lookup=self.requests.get, on_state=self._on_state)
         return build_stages(*args)
 
     def _on_state(self, stage: str, replica: int, up: bool) -> None:
@@ -146,8 +148,8 @@ class Orchestrator:
             raise ValueError(NO_AUDIO_OUTPUT)
         if want_audio and voice.lower() not in self.voices:
             raise ValueError(f"unknown voice {voice!r}; choose from {self.voices}")
-        talker = self.stages.talkers[0] if want_audio and self.stages.talkers else None
-        check_fits(len(prompt.input_ids), sp, tp, self.stages.thinkers[0].kv_capacity, talker and talker.kv_capacity)
+        check_fits(len(prompt.input_ids), sp, tp, self.stages.thinkers[0].kv_capacity,
+                   self.stages.talker_kv_capacity if want_audio else None)
         return Request(request_id, prompt, sp, tp, request_seed(sp.seed), emit, voice=voice, want_audio=want_audio,
                        session=session)
 
@@ -174,7 +176,12 @@ class Orchestrator:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
         requests failed, busy steps with their wall seconds and batch rows (for /metrics)."""
-        return {h.name: h.stats() for h in self.stages}
+        out = {}
+        for h in self.stages:  # NOTE: a pipeline's handle (placement: pipeline) nests its stages' stats
+            s = h.stats()
+            inner = {f"{h.name}.{k}": {**v, "restarts": s["restarts"]} for k, v in s.get("stages", {}).items()}
+            out.update(inner or {h.name: s})
+        return out
 
     def health(self) -> dict[str, Any]:
         """"ok"; "degraded" while a replica is started again and its stage has another up; "unavailable"
@@ -195,7 +202,7 @@ class Orchestrator:
     def add_request(self, req: Request) -> None:
         if self.error is not None:
             raise EngineDeadError(f"the engine has failed: {self._error!r}")
-        if req.want_audio and not self.stages.talkers:
+        if req.want_audio and not self.config.enable_audio_output:
             raise ValueError(NO_AUDIO_OUTPUT)
         emit = req.emit
 

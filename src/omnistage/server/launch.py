@@ -206,9 +206,10 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None,
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
     p.add_argument("--placement", choices=PLACEMENTS, default=None,
-                   help="local: every stage replica in this process; process: each in a worker process of "
-                        "its own; ray: each in a Ray actor, GPUs from the deploy `devices`, on the cluster at "
-                        "RAY_ADDRESS or a new local one (default: the deploy config's placement)")
+                   help="local: every stage replica in this process; pipeline: each data-parallel pipeline in a "
+                        "worker process of its own; process: each stage replica in one; ray: each in a Ray actor, "
+                        "GPUs from the deploy `devices`, on the cluster at RAY_ADDRESS or a new local one "
+                        "(default: the deploy config's placement)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None,
                    help="N pipelines (thinker, talker, code2wav), the deploy layout repeated on the next GPUs, "
                         "behind one server: requests to the least loaded, a realtime session's (a chat "

@@ -34,17 +34,23 @@ START_TIMEOUT_S = 1800  # a full-size replica's load, profiling build and captur
 
 def serve_replica(p: Placement, name: str, replica: int, wname: str, tokenizer: Any, tts: torch.Tensor | None,
                   rebuilt: bool, threads: int, inbox: Any, outbox: Any) -> None:
-    """A replica's process: ("info", info, tts embeds) or ("error", why) once built, then (events, stats)."""
+    """A replica's process."""
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {wname} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
+    run_host(lambda: ReplicaHost(p, name, replica, wname, tokenizer, tts, rebuilt), inbox, outbox)
+
+
+def run_host(make: Callable[[], Any], inbox: Any, outbox: Any) -> None:
+    """A host's process (a `ReplicaHost` or a pipeline's): ("info", info, tts embeds) or ("error", why) once
+    `make()` built it, then (events, stats) at each drain."""
     try:
-        host = ReplicaHost(p, name, replica, wname, tokenizer, tts, rebuilt)
-        embeds = host.tts_embeds() if name == "thinker" and p.config.enable_audio_output else None
+        host = make()
+        embeds = host.tts_embeds()
     except BaseException as e:
         outbox.send_bytes(dumps(("error", repr(e))))
         raise
     outbox.send_bytes(dumps(("info", host.info(), embeds)))
-    threading.Thread(target=_read, args=(host, inbox), name=f"omnistage-{wname}-in", daemon=True).start()
+    threading.Thread(target=_read, args=(host, inbox), name="omnistage-host-in", daemon=True).start()
     while True:
         try:
             outbox.send_bytes(dumps(host.drain(DRAIN_WAIT_S)))
@@ -52,7 +58,7 @@ def serve_replica(p: Placement, name: str, replica: int, wname: str, tokenizer: 
             os._exit(0)
 
 
-def _read(host: ReplicaHost, inbox: Any) -> None:
+def _read(host: Any, inbox: Any) -> None:
     while True:
         try:
             kind, *rest = loads(inbox.recv_bytes())
@@ -65,15 +71,13 @@ def _read(host: ReplicaHost, inbox: Any) -> None:
 
 
 class ProcessLink:
-    """A `remote.Link` to a replica's process (spawned and built by the constructor)."""
+    """A `remote.Link` to a host's process: `target(*args, inbox, outbox)` spawned, built by the constructor."""
 
-    def __init__(self, p: Placement, name: str, replica: int, wname: str, tokenizer: Any,
-                 tts: torch.Tensor | None, rebuilt: bool = False) -> None:
+    def __init__(self, target: Callable[..., None], args: tuple, name: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         inbox, self._writer = ctx.Pipe(duplex=False)
         self._reader, outbox = ctx.Pipe(duplex=False)
-        args = (p, name, replica, wname, tokenizer, tts, rebuilt, torch.get_num_threads(), inbox, outbox)
-        self.process = ctx.Process(target=serve_replica, args=args, name=f"omnistage-{wname}")
+        self.process = ctx.Process(target=target, args=(*args, inbox, outbox), name=f"omnistage-{name}")
         self.process.start()
         inbox.close()
         outbox.close()
@@ -81,7 +85,7 @@ class ProcessLink:
         kind, *rest = self._first()
         if kind == "error":
             self.kill()
-            raise RuntimeError(f"stage {wname}: its process failed to build it: {rest[0]}")
+            raise RuntimeError(f"{name}: its process failed to build it: {rest[0]}")
         self._info, self.tts = rest
         self._stats = self._info["stats"]
 
@@ -131,13 +135,18 @@ def build_process_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_c
     """Every stage replica in its own process (built and ready; pumps not started)."""
     replicas = replica_names(p)
     links, args, tts = {}, {}, None
+    threads = torch.get_num_threads()
+
+    def start(k: int, rebuilt: bool = False) -> ProcessLink:
+        return ProcessLink(serve_replica, (*args[k], rebuilt, threads), replicas[k][2])
+
     for name, i, wname in build_order(replicas):
         k = replicas.index((name, i, wname))
         args[k] = (p, name, i, wname, tokenizer if name == "thinker" else None, tts if name == "talker" else None)
-        links[k] = ProcessLink(*args[k])
+        links[k] = start(k)
         tts = links[k].tts if tts is None else tts
     to_next = {"thinker": to_talker, "talker": to_code2wav}
     return StageHandles.of([(name, RemoteStage(
         links[k], wname, (name, i), to_next.get(name), on_error, lookup, on_state,
-        respawn=lambda k=k: ProcessLink(*args[k], rebuilt=True), same_clock=True))
+        respawn=lambda k=k: start(k, rebuilt=True), same_clock=True))
         for k, (name, i, wname) in enumerate(replicas)])

@@ -80,8 +80,10 @@ class ReplicaHost:
     def info(self) -> dict[str, Any]:
         return {"kv_capacity": kv_capacity(self.stage), "stats": worker_stats(self.worker)}
 
-    def tts_embeds(self) -> torch.Tensor:
-        """A thinker replica's tts embeddings, for the talker replicas."""
+    def tts_embeds(self) -> torch.Tensor | None:
+        """A thinker replica's tts embeddings, for the talker replicas (None: not a thinker, or no audio)."""
+        if not hasattr(self.stage, "thinker") or not self.p.config.enable_audio_output:
+            return None
         return tts_embeds(self.p, self.stage.thinker).to("cpu", copy=True)
 
     def start(self) -> None:

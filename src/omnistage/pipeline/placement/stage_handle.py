@@ -107,6 +107,13 @@ class StageHandles:
         by = {name: [h for n, h in handles if n == name] for name in ("thinker", "talker", "code2wav")}
         return cls(by["thinker"], by["talker"], by["code2wav"])
 
+    @property
+    def talker_kv_capacity(self) -> int | None:
+        """A talker's KV tokens (a pipeline's, with `placement: pipeline`); None without audio output."""
+        if self.talkers:
+            return self.talkers[0].kv_capacity
+        return getattr(self.thinkers[0], "talker_kv_capacity", None) if self.thinkers else None
+
     def __iter__(self) -> Iterator[StageHandle]:
         yield from self.thinkers
         yield from self.talkers

@@ -1,0 +1,119 @@
+"""`placement: pipeline`: each data-parallel pipeline (its thinker, talkers and code2wavs: the deploy layout once,
+on its own GPUs) in a worker process of its own, running the local placement inside (an `Orchestrator` with
+`placement: local`, threads and CUDA streams as on one GPU). Why not a process per stage replica (`process.py`):
+replicas of one GPU in separate processes have separate CUDA contexts, which the GPU time-slices instead of running
+their kernels side by side (on one H200, three stage processes gave 22.0 req/s at c = 64 against 27.9 in
+threads, benchmarks/HISTORY.md); here each GPU keeps one process, and only a request (in) and its output deltas
+(out) cross processes, never a token's or a frame's payload.
+
+The serving process holds a `remote.RemoteStage` per pipeline, as it would a thinker replica: its router picks
+the pipeline (least loaded, a session's last one); a pipeline whose process dies fails its requests and is
+started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from omnistage.config import STAGE_NAMES
+from omnistage.engine.request import Request
+from omnistage.outputs import OutputDelta, Usage
+from omnistage.pipeline.connector import Inbox
+from omnistage.pipeline.orchestrator import Orchestrator
+from omnistage.pipeline.placement.local import Placement
+from omnistage.pipeline.placement.process import ProcessLink, run_host
+from omnistage.pipeline.placement.remote import RemoteStage
+from omnistage.pipeline.placement.replica_host import SPEC_FIELDS, Event
+from omnistage.pipeline.placement.stage_handle import StageHandles
+
+
+def pipeline_placement(p: Placement, i: int) -> Placement:
+    """Pipeline i's placement: the deploy layout on its devices (`DeployConfig.stage`'s replicas of pipeline i)."""
+    stages = {}
+    for name in STAGE_NAMES:
+        sc, per = p.deploy.stage(name), getattr(p.deploy.stages, name).replicas
+        stages[name] = replace(getattr(p.deploy.stages, name), devices=sc.replica_devices[i * per:(i + 1) * per])
+    deploy = replace(p.deploy, data_parallel_size=1, placement="local", mm_processor_workers=0,
+                     stages=replace(p.deploy.stages, **stages))
+    return replace(p, deploy=deploy)
+
+
+class PipelineHost:
+    """The far side of a pipeline: its `Orchestrator` (local placement), with `ReplicaHost`'s interface
+    (`info`, `start`, `handle`, `drain`), so `process.py`'s worker process and `ProcessLink` carry it."""
+
+    def __init__(self, p: Placement) -> None:
+        self.engine = Orchestrator(p.model_dir, deploy=p.deploy, load_format=p.load_format, device=p.device,
+                                   dtype=p.dtype, seed=p.seed, placement="local")
+        self.outbox: Inbox[Event] = Inbox(threading.Event())
+
+    def info(self) -> dict[str, Any]:
+        talkers = self.engine.stages.talkers
+        return {"kv_capacity": self.engine.stages.thinkers[0].kv_capacity, "stats": self._stats(),
+                "talker_kv_capacity": talkers[0].kv_capacity if talkers else None}
+
+    def tts_embeds(self) -> None:
+        return None
+
+    def start(self) -> None:
+        pass  # NOTE: the engine's workers started with it
+
+    def handle(self, ops: list[tuple[str, str, dict[str, Any] | None, Any]]) -> None:
+        for op, request_id, spec, _ in ops:
+            if op == "abort":
+                self.engine.abort(request_id)
+            elif spec is not None:
+                self._add(request_id, spec)
+
+    def _add(self, request_id: str, spec: dict[str, Any]) -> None:
+        req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=lambda d: self._emit(request_id, d))
+        req.arrival = spec["arrival"]
+        try:
+            self.engine.add_request(req)
+        except Exception as e:  # NOTE: refused here (a dead stage): the request fails, as in a stage
+            self.outbox.put(("fail", request_id, repr(e), None, None, None))
+
+    def _emit(self, request_id: str, delta: OutputDelta) -> None:
+        self.outbox.put(("emit", request_id, delta, Usage(), None, None))
+
+    def drain(self, timeout: float) -> tuple[list[Event], dict[str, Any]]:
+        events = self.outbox.wait_drain(timeout)
+        if self.engine.error is not None:
+            events.append(("dead", None, repr(self.engine.error), None, None, None))
+        return events, self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        stages = self.engine.stats()
+        return {"active": len(self.engine.requests), "stages": stages}
+
+
+def serve_pipeline(p: Placement, threads: int, inbox: Any, outbox: Any) -> None:
+    """A pipeline's process (`process.run_host`'s protocol)."""
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s pipeline %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    run_host(lambda: PipelineHost(p), inbox, outbox)
+
+
+def build_pipeline_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
+                          on_error: Callable[..., None], *, lookup: Callable[[str], Request | None],
+                          on_state: Callable[[str, int, bool], None] | None = None) -> StageHandles:
+    """A `RemoteStage` per pipeline in the thinkers' place (no talker or code2wav handles: each pipeline has
+    its own), every pipeline built one after another."""
+    del tokenizer, to_talker, to_code2wav  # NOTE: each pipeline's engine has its own
+
+    def start(i: int) -> ProcessLink:
+        return ProcessLink(serve_pipeline, (pipeline_placement(p, i), torch.get_num_threads()), f"pipeline{i}")
+
+    handles = []
+    for i in range(p.deploy.data_parallel_size):
+        handle = RemoteStage(start(i), f"pipeline{i}", ("thinker", i), None, on_error, lookup, on_state,
+                             respawn=lambda i=i: start(i))
+        handle.talker_kv_capacity = handle.link.info()["talker_kv_capacity"]
+        handles.append(("thinker", handle))
+    return StageHandles.of(handles)
