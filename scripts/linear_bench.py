@@ -3,8 +3,10 @@ F.linear (+ `mlp.silu_mul` for gate_up) against `triton_linear` per candidate ti
 back-to-back calls captured in one CUDA graph (replayed --replays times, us per call) over rotating weight copies
 (> 128 MB together, so weights stream from HBM as in the model's step, not from L2); max abs error vs F.linear.
 Prints a table and the winners as `triton_linear.CONFIGS` entries (None: cuBLAS wins); writes JSON to --out.
+--fp8: the weights in FP8 (`layers.fp8`, per-row scales), the skinny GEMM loading them (weight-only) per tile, also
+tiles of wider K (an FP8 tile carries half the bytes), against cuBLAS on the bf16 weights and `fp8.scaled_mm`.
 
-usage: python scripts/linear_bench.py --out FILE [--rows 1,2,16,32,64] [--shapes cp_qkv,cp_gate_up]
+usage: python scripts/linear_bench.py --out FILE [--rows 1,2,16,32,64] [--shapes cp_qkv,cp_gate_up] [--fp8]
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from unittest import mock
 import torch
 import torch.nn.functional as F
 
-from omnistage.layers import mlp, triton_linear
+from omnistage.layers import fp8, mlp, triton_linear
 
 SHAPES = {  # name: (weight rows N, K, gated)
     "cp_qkv": (4096, 1024, False), "o_proj": (1024, 2048, False), "cp_gate_up": (6144, 1024, True),
@@ -30,6 +32,7 @@ SHAPES = {  # name: (weight rows N, K, gated)
 CANDIDATES = [(16, 256, 4, 4, 1), (32, 256, 4, 4, 1), (64, 128, 4, 4, 1), (32, 128, 4, 6, 1), (64, 256, 8, 3, 1),
               (16, 512, 4, 3, 1), (16, 256, 4, 4, 2), (16, 256, 4, 4, 4)]
 WIDE = [(32, 128, 4, 4, 1), (64, 128, 4, 3, 1)]  # also at BLOCK_M = the row bucket, for rows > 16
+FP8_WIDE_K = [(16, 512, 4, 4, 1), (32, 512, 4, 3, 1), (16, 1024, 4, 3, 1), (32, 1024, 8, 2, 1)]  # with --fp8
 STREAM_BYTES = 128 << 20
 
 
@@ -51,9 +54,10 @@ def time_us(call: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Te
     return start.elapsed_time(end) * 1e3 / (replays * iters)
 
 
-def candidates(m: int) -> list[triton_linear.Config]:
+def candidates(m: int, fp8_weights: bool = False) -> list[triton_linear.Config]:
     bucket = triton_linear.m_bucket(m)
-    return [(16, *c) for c in CANDIDATES] + ([(bucket, *c) for c in WIDE] if bucket > 16 else [])
+    extra = [(16, *c) for c in FP8_WIDE_K] if fp8_weights else []
+    return [(16, *c) for c in CANDIDATES] + extra + ([(bucket, *c) for c in WIDE] if bucket > 16 else [])
 
 
 def stream_weights(n: int, k: int, iters: int) -> list[torch.Tensor]:
@@ -63,27 +67,34 @@ def stream_weights(n: int, k: int, iters: int) -> list[torch.Tensor]:
     return [torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) * k**-0.5 for _ in range(copies)]
 
 
-def bench(name: str, m: int, weights: list[torch.Tensor], iters: int, replays: int) -> dict:
+def bench(name: str, m: int, weights: list[torch.Tensor], iters: int, replays: int, fp8_weights: bool = False
+          ) -> dict:
     n, k, gated = SHAPES[name]
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(m))
     eager = (lambda w: mlp.silu_mul(F.linear(x, w))) if gated else (lambda w: F.linear(x, w))
     skinny = (lambda w: triton_linear.linear_silu_mul(x, w)) if gated else (lambda w: triton_linear.linear(x, w))
+    quantized = [fp8.quantize_rows(w) for w in weights] if fp8_weights else weights
+    if fp8_weights:  # NOTE: the reference stays the bf16 weights' F.linear: the error shown includes E4M3's
+        skinny = ((lambda w: triton_linear.linear_silu_mul(x, *w)) if gated
+                  else (lambda w: triton_linear.linear(x, w[0], None, w[1])))
     ref = eager(weights[0]).float()
     key = (n, k, triton_linear.m_bucket(m), gated)
     current = triton_linear.config(n, k, m, gated)
     res = {"cublas_us": time_us(eager, weights, iters, replays), "current": list(current), "tiles": {},
-           "max_err": {}, "weight_mb": n * k * 2 / 2**20}
-    for tiles in dict.fromkeys([current, *candidates(m)]):
+           "max_err": {}, "weight_mb": n * k * (1 if fp8_weights else 2) / 2**20}
+    if fp8_weights and not gated:
+        res["scaled_mm_us"] = time_us(lambda w: fp8.scaled_mm(x, w[0], w[1], None), quantized, iters, replays)
+    for tiles in dict.fromkeys([current, *candidates(m, fp8_weights)]):
         with mock.patch.dict(triton_linear.CONFIGS, {key: tiles}):
             try:
-                res["max_err"][str(tiles)] = (skinny(weights[0]).float() - ref).abs().max().item()
-                res["tiles"][str(tiles)] = time_us(skinny, weights, iters, replays)
+                res["max_err"][str(tiles)] = (skinny(quantized[0]).float() - ref).abs().max().item()
+                res["tiles"][str(tiles)] = time_us(skinny, quantized, iters, replays)
             except Exception as e:  # NOTE: a tile past the shared-memory limit fails to launch; keep the others
                 res["tiles"][str(tiles)] = f"{type(e).__name__}: {str(e)[:100]}"
     ok = {t: us for t, us in res["tiles"].items() if isinstance(us, float)}
     best = min(ok, key=ok.get)
     res.update(best=best, best_us=ok[best], current_us=ok.get(str(current)),
-               best_tb_s=n * k * 2 / ok[best] / 1e6, ref_max=ref.abs().max().item())
+               best_tb_s=res["weight_mb"] * 2**20 / ok[best] / 1e6, ref_max=ref.abs().max().item())
     return res
 
 
@@ -114,6 +125,7 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(SHAPES))
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--replays", type=int, default=5)
+    p.add_argument("--fp8", action="store_true", help="FP8 weights (weight-only skinny GEMM) against bf16 cuBLAS")
     a = p.parse_args()
     rows, t0 = [int(m) for m in a.rows.split(",")], time.time()
     results: dict = {"device": torch.cuda.get_device_name()}
@@ -121,7 +133,7 @@ def main() -> None:
     for name in a.shapes.split(","):
         weights = stream_weights(*SHAPES[name][:2], a.iters)
         for m in rows:
-            r = results.setdefault(name, {})[str(m)] = bench(name, m, weights, a.iters, a.replays)
+            r = results.setdefault(name, {})[str(m)] = bench(name, m, weights, a.iters, a.replays, a.fp8)
             print(f"{name:16} {m:3} {r['cublas_us']:9.2f} {r['current_us'] or float('nan'):10.2f} {r['best_us']:8.2f} "
                   f"{r['best_tb_s']:5.2f} {r['max_err'][r['best']]:8.2e}  {r['best']}", flush=True)
             with open(a.out, "w") as f:

@@ -1,8 +1,10 @@
 """Tiles of the fused decode MoE (`layers.triton_fused_moe`) on the GPU: for the thinker's and the talker's expert
 shapes at decode batch sizes, the time of `fused_moe` per tile config against the grouped-GEMM path
-(`moe.fused_experts_grouped`), routing uniform over the experts; writes JSON to --out.
+(`moe.fused_experts_grouped`), routing uniform over the experts; writes JSON to --out. --fp8: the experts in FP8
+(`layers.fp8`, per expert per row scales), the fused kernel loading them (weight-only) per tile into
+`triton_fused_moe.FP8_TILES`, also tiles of wider K, against the bf16 experts' fused kernel at its tiles.
 
-usage: python scripts/moe_tune.py --out FILE [--batches 1,16,64]
+usage: python scripts/moe_tune.py --out FILE [--batches 1,16,64] [--fp8]
 """
 
 from __future__ import annotations
@@ -13,10 +15,11 @@ import json
 
 import torch
 
-from omnistage.layers import moe, triton_fused_moe
+from omnistage.layers import fp8, moe, triton_fused_moe
 
 SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}  # hidden, moe_intermediate, experts, top-k
 TILES = [(16, n, k, w, s) for n, k in itertools.product((32, 64, 128), (64, 128, 256)) for w, s in ((4, 3), (4, 4), (8, 3))]
+FP8_TILES = TILES + [(16, n, 512, w, s) for n in (32, 64) for w, s in ((4, 3), (8, 3))]
 
 
 def time_ms(fn, iters: int = 50) -> float:
@@ -45,14 +48,21 @@ def case(h: int, i: int, e: int, k: int, t: int) -> tuple:
     return x, w13, w2, weights, ids
 
 
-def tune(h: int, i: int, e: int, k: int, t: int) -> dict:
+def tune(h: int, i: int, e: int, k: int, t: int, fp8_experts: bool = False) -> dict:
     args = case(h, i, e, k, t)
     hit = int(torch.unique(args[4]).numel())
-    gb = hit * 3 * h * i * 2 / 1e9
+    gb = hit * 3 * h * i * (1 if fp8_experts else 2) / 1e9
     res = {"hit_experts": hit, "grouped_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True)), "tiles": {}}
-    for tile in TILES:
-        (triton_fused_moe.BLOCK_M, triton_fused_moe.BLOCK_N, triton_fused_moe.BLOCK_K, triton_fused_moe.NUM_WARPS,
-         triton_fused_moe.NUM_STAGES) = tile
+    if fp8_experts:
+        res["bf16_fused_ms"] = time_ms(lambda: triton_fused_moe.fused_moe(*args))
+        (q13, s13), (q2, s2) = fp8.quantize_rows(args[1]), fp8.quantize_rows(args[2])
+        args = (args[0], q13, q2, args[3], args[4], None, (s13, s2))
+    for tile in FP8_TILES if fp8_experts else TILES:
+        if fp8_experts:
+            triton_fused_moe.FP8_TILES = tile
+        else:
+            (triton_fused_moe.BLOCK_M, triton_fused_moe.BLOCK_N, triton_fused_moe.BLOCK_K,
+             triton_fused_moe.NUM_WARPS, triton_fused_moe.NUM_STAGES) = tile
         try:
             res["tiles"][str(tile)] = time_ms(lambda: triton_fused_moe.fused_moe(*args))
         except Exception as ex:  # NOTE: a tile past the shared-memory limit fails to launch; keep the others
@@ -69,11 +79,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16,64")
+    p.add_argument("--fp8", action="store_true", help="FP8 experts (weight-only) against the bf16 fused kernel")
     a = p.parse_args()
     res: dict = {}
     for name, (h, i, e, k) in SHAPES.items():
         for t in map(int, a.batches.split(",")):
-            res[f"{name}_t{t}"] = tune(h, i, e, k, t)
+            res[f"{name}_t{t}"] = tune(h, i, e, k, t, a.fp8)
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
 

@@ -99,9 +99,11 @@ def test_the_engine_processes_chat_prompts_in_workers() -> None:
         assert_same(req.prompt, omni.engine.processor(MESSAGES))
         calls, pool = [], omni.engine.process
         omni.engine.process = lambda *a: calls.append(1) or pool(*a)
-        for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}]):
+        photo = [{"role": "user", "content": [MESSAGES[1]["content"][1], MESSAGES[1]["content"][3]]}]
+        assert [p["type"] for p in photo[0]["content"]] == ["image_url", "text"]
+        for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], photo):
             omni.engine.make_request("t", messages, None, want_audio=False, voice=None, sampling={"max_tokens": 2},
                                      talker_sampling={}, emit=lambda d: None)
-        assert calls == [1]  # text alone stays in the process: its template costs less than the round trip
+        assert calls == [1]  # only the video's goes there: text and photos stay in the process
     finally:
         omni.engine.shutdown()

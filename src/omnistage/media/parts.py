@@ -50,10 +50,11 @@ class MediaItems:
                 self.audios.append(item.audio)
 
 
-def media_count(messages: list[dict[str, Any]]) -> int:
-    """The media parts (audio, image, video) of the messages' contents."""
+def media_count(messages: list[dict[str, Any]], kinds: tuple[str, ...] = ("audio", "image", "video")) -> int:
+    """The media parts of those kinds in the messages' contents."""
     contents = [m.get("content") for m in messages if isinstance(m, dict)]
-    return sum(isinstance(p, dict) and p.get("type") in KIND for c in contents if isinstance(c, list) for p in c)
+    return sum(isinstance(p, dict) and KIND.get(p.get("type")) in kinds
+               for c in contents if isinstance(c, list) for p in c)
 
 
 def to_conversation(messages: list[dict[str, Any]], policy: MediaPolicy | None = None,
