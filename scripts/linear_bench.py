@@ -79,13 +79,14 @@ def bench(name: str, m: int, weights: list[torch.Tensor], iters: int, replays: i
                   else (lambda w: triton_linear.linear(x, w[0], None, w[1])))
     ref = eager(weights[0]).float()
     key = (n, k, triton_linear.m_bucket(m), gated)
-    current = triton_linear.config(n, k, m, gated)
+    current = triton_linear.config(n, k, m, gated, fp8_weights)
     res = {"cublas_us": time_us(eager, weights, iters, replays), "current": list(current), "tiles": {},
            "max_err": {}, "weight_mb": n * k * (1 if fp8_weights else 2) / 2**20}
     if fp8_weights and not gated:
         res["scaled_mm_us"] = time_us(lambda w: fp8.scaled_mm(x, w[0], w[1], None), quantized, iters, replays)
+    table = triton_linear.FP8_CONFIGS if fp8_weights else triton_linear.CONFIGS
     for tiles in dict.fromkeys([current, *candidates(m, fp8_weights)]):
-        with mock.patch.dict(triton_linear.CONFIGS, {key: tiles}):
+        with mock.patch.dict(table, {key: tiles}):
             try:
                 res["max_err"][str(tiles)] = (skinny(quantized[0]).float() - ref).abs().max().item()
                 res["tiles"][str(tiles)] = time_us(skinny, quantized, iters, replays)
@@ -98,9 +99,10 @@ def bench(name: str, m: int, weights: list[torch.Tensor], iters: int, replays: i
     return res
 
 
-def winners(results: dict, rows: list[int]) -> list[str]:
+def winners(results: dict, rows: list[int], fp8_weights: bool = False) -> list[str]:
     """Per (shape, row bucket): the tiles with the least summed time over the bucket's rows, or None where
-    F.linear's sum is less; as lines of `triton_linear.CONFIGS`."""
+    F.linear's sum is less (FP8: always the tiles, there is no bf16 weight to fall back on); as lines of
+    `triton_linear.CONFIGS` (`FP8_CONFIGS`)."""
     lines = []
     for name, (n, k, gated) in SHAPES.items():
         buckets: dict[int, list[int]] = {}
@@ -112,7 +114,7 @@ def winners(results: dict, rows: list[int]) -> list[str]:
             tiles = [t for t in runs[0]["tiles"] if all(isinstance(r["tiles"].get(t), float) for r in runs)]
             best = min(tiles, key=lambda t: sum(r["tiles"][t] for r in runs))
             ours, cublas = sum(r["tiles"][best] for r in runs), sum(r["cublas_us"] for r in runs)
-            value = best if ours <= cublas else "None"
+            value = best if ours <= cublas or fp8_weights else "None"
             lines.append(f"    ({n}, {k}, {bucket}, {gated}): {value},  # {name} rows {ms}: "
                          f"{ours / len(ms):.1f} us vs cuBLAS {cublas / len(ms):.1f} us")
     return lines
@@ -138,12 +140,14 @@ def main() -> None:
                   f"{r['best_tb_s']:5.2f} {r['max_err'][r['best']]:8.2e}  {r['best']}", flush=True)
             with open(a.out, "w") as f:
                 json.dump(results, f, indent=1)
-    lines = winners(results, rows)
+    lines = winners(results, rows, a.fp8)
     results["configs"] = lines
     with open(a.out, "w") as f:
         json.dump(results, f, indent=1)
+    table = "FP8_CONFIGS: dict[tuple[int, int, int, bool], Config]" if a.fp8 else \
+        "CONFIGS: dict[tuple[int, int, int, bool], Config | None]"
     print("\n# paste into layers/triton_linear.py (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k)")
-    print("CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {\n" + "\n".join(lines) + "\n}")
+    print(f"{table} = {{\n" + "\n".join(lines) + "\n}")
     print(f"# {time.time() - t0:.1f} s")
 
 

@@ -21,6 +21,8 @@ from omnistage.layers import triton_moe, triton_ops
 
 # NOTE: decode tiles chosen without a GPU (tl.dot needs every dim >= 16): autotune on the H200.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
+# FP8 experts' tiles (the same five), None: the bf16 ones; `scripts/moe_tune.py --fp8` on the H200 fills it
+FP8_TILES: tuple[int, int, int, int, int] | None = None
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path, above it the grouped GEMMs: a guess.
 MAX_SLOTS = 512
 
@@ -83,10 +85,10 @@ if triton_ops.triton is not None:
         tl.store(dst, out, mask=row_m[:, None] & col_m[None, :])
 
 
-def max_blocks(num_slots: int, num_experts: int) -> int:
-    """Blocks of `BLOCK_M` rows that `num_slots` rows sorted by expert can need: sum_e cdiv(rows of e,
-    BLOCK_M) over the at most min(num_slots, num_experts) hit experts."""
-    return triton.cdiv(num_slots, BLOCK_M) + min(num_slots, num_experts)
+def max_blocks(num_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
+    """Blocks of `block_m` rows that `num_slots` rows sorted by expert can need: sum_e cdiv(rows of e,
+    block_m) over the at most min(num_slots, num_experts) hit experts."""
+    return triton.cdiv(num_slots, block_m) + min(num_slots, num_experts)
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
@@ -100,13 +102,14 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
     num_experts, n, k = w.shape
     n //= 2 if gated else 1
     out = a.new_empty(token.numel(), n)
-    grid = (max_blocks(token.numel(), num_experts), triton.cdiv(n, BLOCK_N))
+    bm, bn, bk, warps, stages = (FP8_TILES if scale is not None and FP8_TILES is not None
+                                 else (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES))
+    grid = (max_blocks(token.numel(), num_experts, bm), triton.cdiv(n, bn))
     scale_arg = out if scale is None else scale
     _expert_gemm_kernel[grid](a, w, scale_arg, token, offs, out, w.stride(0), w.stride(1), scale_arg.stride(0),
                               NUM_EXPERTS=num_experts, N=n, K=k, GATED=gated, HAS_SCALE=scale is not None,
                               E_PAD=triton.next_power_of_2(num_experts),
-                              BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS,
-                              num_stages=NUM_STAGES)
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -56,6 +56,9 @@ CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {
     (2048, 4096, 32, False): None,  # thinker_o_proj 10.9 vs 8.6 us
     (2048, 4096, 64, False): None,  # thinker_o_proj 12.1 vs 8.8 us
 }
+# FP8 weights' tiles by the same key (an FP8 tile carries half the bytes of a bf16 one): `scripts/linear_bench.py
+# --fp8` on the H200 fills it; a shape not here takes CONFIGS' tiles
+FP8_CONFIGS: dict[tuple[int, int, int, bool], Config] = {}
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded
@@ -149,10 +152,12 @@ def m_bucket(m: int) -> int:
     return max(16, triton.next_power_of_2(m))
 
 
-def config(n: int, k: int, m: int, gated: bool) -> Config:
-    """`CONFIGS[(n, k, m_bucket(m), gated)]`, else enough column tiles to cover the SMs (~132 on an
-    H100/H200)."""
-    tiles = CONFIGS.get((n, k, m_bucket(m), gated))
+def config(n: int, k: int, m: int, gated: bool, fp8_weight: bool = False) -> Config:
+    """`CONFIGS[(n, k, m_bucket(m), gated)]` (FP8 weights: `FP8_CONFIGS`' entry first), else enough column tiles
+    to cover the SMs (~132 on an H100/H200)."""
+    key = (n, k, m_bucket(m), gated)
+    tiles = FP8_CONFIGS.get(key) if fp8_weight else None
+    tiles = tiles or CONFIGS.get(key)
     if tiles is not None:
         return tiles
     cols = n // 2 if gated else n
@@ -171,7 +176,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
             scale: torch.Tensor | None) -> torch.Tensor:
     m, k = x.shape
     n = weight.shape[0] // 2 if gated else weight.shape[0]
-    block_m, block_n, block_k, warps, stages, split = config(weight.shape[0], k, m, gated)
+    block_m, block_n, block_k, warps, stages, split = config(weight.shape[0], k, m, gated, scale is not None)
     block_k, split = _fit(k, block_k, split)
     out = x.new_empty(m, n)
     bias_arg = out if bias is None else bias.contiguous()
