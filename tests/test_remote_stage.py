@@ -21,7 +21,7 @@ class SlowLink:
 
     def __init__(self) -> None:
         self.batches: list[list[tuple]] = []
-        self.die, self.killed = threading.Event(), False
+        self.die, self.killed, self.closed = threading.Event(), False, False
 
     def info(self) -> dict:
         return {"kv_capacity": None, "stats": {"active": 0}}
@@ -40,6 +40,10 @@ class SlowLink:
 
     def kill(self) -> None:
         self.killed = True
+
+    def close(self) -> None:
+        self.closed = True
+        self.kill()
 
 
 def request(i: int) -> Request:

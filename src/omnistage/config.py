@@ -80,7 +80,7 @@ class DeployConfig:
     `max_waiting_requests` / `max_waiting_tokens`: the server's admission bound on requests (and their
     prompt tokens) that have not yet produced every output they asked for; past it a 429.
     `placement`: every stage replica in this process ("local"), each data-parallel pipeline in a worker process
-    of its own on this host ("pipeline"), each stage replica in one ("process"), or each in a Ray actor ("ray").
+    of its own on this host ("pipeline"), the replicas of each deploy device in one ("process"), or each in a Ray actor ("ray").
     `data_parallel_size`: N pipelines, the stages' layout repeated N times (pipeline i's replicas on the
     layout's devices + i x the GPUs one layout uses), each with its thinker; requests go to the least loaded,
     a session's to its last one's (vLLM's `--data-parallel-size`).

@@ -26,8 +26,9 @@ from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError, NoReplicaError
 from omnistage.pipeline.input_checks import check_fits, check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
+from omnistage.pipeline.placement.remote import build_remote
 from omnistage.pipeline.placement.stage_handle import StageHandles
-from omnistage.pipeline.placement.router import Router
+from omnistage.pipeline.placement.router import Router, near_replicas
 from omnistage.pipeline.processor_pool import ProcessorPool
 from omnistage.pipeline.prompt_stream import PromptStream, open_stream
 from omnistage.pipeline.thinker.growth import PromptPiece
@@ -57,6 +58,8 @@ class Orchestrator:
         self.thinker_router = Router(len(self.stages.thinkers))
         self.talker_router = Router(len(self.stages.talkers))
         self.code2wav_router = Router(len(self.stages.code2wavs))
+        self._near = {"talker": near_replicas(self.deploy, "thinker", "talker"),
+                      "code2wav": near_replicas(self.deploy, "talker", "code2wav")}
         self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
         self._done = threading.Condition()
         self._error: BaseException | None = None
@@ -66,17 +69,9 @@ class Orchestrator:
         atexit.register(self.shutdown)
 
     def _build(self, args: tuple) -> StageHandles:
-        if self.placement == "ray":
-            from omnistage.pipeline.placement.ray import build_ray_stages
-
-            return build_ray_stages(*args, lookup=self.requests.get, on_state=self._on_state)
-        if self.placement in ("process", "pipeline"):
-            from omnistage.pipeline.placement.pipeline import build_pipeline_stages
-            from omnistage.pipeline.placement.process import build_process_stages
-
-            build = build_process_stages if self.placement == "process" else build_pipeline_stages
-            return build(*args, lookup=self.requests.get, on_state=self._on_state)
-        return build_stages(*args)
+        if self.placement == "local":
+            return build_stages(*args)
+        return build_remote(self.placement, *args, lookup=self.requests.get, on_state=self._on_state)
 
     def _on_state(self, stage: str, replica: int, up: bool) -> None:
         """A remote replica went down (its requests failed) or is up again (started anew)."""
@@ -107,13 +102,17 @@ class Orchestrator:
             del self._held[chunk.request.request_id]
         else:
             held = [chunk]
-        talker = self.stages.talkers[self._pick(self.talker_router, chunk.request)]
+        req = chunk.request
+        near_thinker = self._near["talker"].get(self.thinker_router.replica_of(req.request_id), ())
+        talker = self.stages.talkers[self._pick(self.talker_router, req, prefer=near_thinker)]
         for c in held:
             talker.add(c)
 
     def _to_code2wav(self, chunk: FrameChunk) -> None:
-        if not chunk.request.aborted:
-            self.stages.code2wavs[self._pick(self.code2wav_router, chunk.request)].add(chunk)
+        req = chunk.request
+        if not req.aborted:
+            near_talker = self._near["code2wav"].get(self.talker_router.replica_of(req.request_id), ())
+            self.stages.code2wavs[self._pick(self.code2wav_router, req, prefer=near_talker)].add(chunk)
 
     def _to_thinker(self, item: Request | PromptPiece) -> None:
         """A request to the thinker replica of its session (else the least loaded), its prompt's later pieces
@@ -122,9 +121,9 @@ class Orchestrator:
         self.stages.thinkers[self._pick(self.thinker_router, req, req.session)].add(item)
 
     @staticmethod
-    def _pick(router: Router, req: Request, session: str | None = None) -> int:
+    def _pick(router: Router, req: Request, session: str | None = None, prefer: tuple[int, ...] = ()) -> int:
         """Raises NoReplicaError (an EngineDeadError: 503) when every replica of the stage is restarting."""
-        i = router.pick(req.request_id, session)
+        i = router.pick(req.request_id, session, prefer)
         if req.aborted:  # NOTE: an abort between the caller's check and `pick` would leak the load
             router.release(req.request_id)
         return i
@@ -178,20 +177,11 @@ class Orchestrator:
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and
         requests failed, busy steps with their wall seconds and batch rows (for /metrics)."""
-        out = {}
-        for h in self.stages:  # NOTE: a pipeline's handle (placement: pipeline) nests its stages' stats
-            s = h.stats()
-            inner = {f"{h.name}.{k}": {**v, "restarts": s["restarts"]} for k, v in s.get("stages", {}).items()}
-            out.update(inner or {h.name: s})
-        return out
+        return self.stages.stats()
 
     def health(self) -> dict[str, Any]:
-        """"ok"; "degraded" while a replica is started again and its stage has another up; "unavailable"
-        while none of a stage's is up, or once the engine has failed. `replicas`: those not up."""
-        down = {h.name: h.state for h in self.stages if h.state != "up"}
-        groups = (self.stages.thinkers, self.stages.talkers, self.stages.code2wavs)
-        serving = self.error is None and all(any(h.state == "up" for h in g) for g in groups if g)
-        return {"status": "unavailable" if not serving else "degraded" if down else "ok", "replicas": down}
+        """`StageHandles.health`: "ok", "degraded" (a replica being started again), "unavailable"."""
+        return self.stages.health(self.error is not None)
 
     @property
     def error(self) -> BaseException | None:
@@ -272,3 +262,4 @@ class Orchestrator:
         if isinstance(self.process, ProcessorPool):
             self.process.close()
         atexit.unregister(self.shutdown)
+

@@ -207,7 +207,7 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="bfloat16 | float16 | float32 (default: the deploy config's)")
     p.add_argument("--placement", choices=PLACEMENTS, default=None,
                    help="local: every stage replica in this process; pipeline: each data-parallel pipeline in a "
-                        "worker process of its own; process: each stage replica in one; ray: each in a Ray actor, "
+                        "worker process of its own; process: each device's stage replicas in one; ray: each in a Ray actor, "
                         "GPUs from the deploy `devices`, on the cluster at RAY_ADDRESS or a new local one "
                         "(default: the deploy config's placement)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=None,

@@ -92,17 +92,19 @@ def build_replica(p: Placement, name: str, replica: int, module: torch.nn.Module
 
 
 def build_sized_replicas(p: Placement, keys: list[Key], shares: dict[Key, float | int],
-                         to_next: dict[str, Callable], *, tokenizer: Any = None,
+                         to_next: dict[Any, Callable], *, tokenizer: Any = None,
                          tts: torch.Tensor | None = None
                          ) -> dict[Key, ThinkerStage | TalkerStage | Code2WavStage]:
-    """The stage replicas `keys`, their KV caches sized to their devices (`sizing.py`). `tts`: the talker's
-    (None: taken from the thinker among `keys`)."""
+    """The stage replicas `keys`, their KV caches sized to their devices (`sizing.py`); `to_next` by stage name
+    or by (name, replica). `tts`: the talker's (None: taken from a thinker among `keys`)."""
     loaded = load_modules(p, keys)
-    if tts is None and p.config.enable_audio_output and ("thinker", 0) in loaded.modules:
-        tts = tts_embeds(p, loaded.modules[("thinker", 0)])
+    thinkers = [m for (name, _), m in loaded.modules.items() if name == "thinker"]
+    if tts is None and p.config.enable_audio_output and thinkers:
+        tts = tts_embeds(p, thinkers[0])
 
     def make(name: str, i: int, module: torch.nn.Module, blocks: int) -> Any:
-        return build_replica(p, name, i, module, blocks, to_next.get(name), tokenizer=tokenizer, tts=tts)
+        after = to_next.get((name, i), to_next.get(name))
+        return build_replica(p, name, i, module, blocks, after, tokenizer=tokenizer, tts=tts)
 
     return build_sized(p, loaded, shares, make)
 

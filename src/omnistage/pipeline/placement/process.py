@@ -1,14 +1,10 @@
-"""`placement: process`: every stage replica (thinker i, talker i, code2wav i) in a worker process of its own
-on this host, so replicas on several GPUs no longer share the serving process's GIL: each adds a Python
-interpreter's worth of host work, not a thread.
-
-A replica's process is spawned (the serving process has threads and maybe CUDA: no fork) and builds a
-`ReplicaHost` on its deploy device (every GPU visible; `cuda:<device>`), one after another in `build_order` so
-each sizes its KV cache from what its GPU has left. Two pipes join it to the serving process: adds and aborts in
-(a reader thread hands them to the host in order), events and stats out (its main thread drains the host every
-`DRAIN_WAIT_S` at most). Payloads cross as `wire` pickles, their tensors' bytes inline, already on the CPU
-(`replica_host.to_cpu`), each O(its chunk): one token's rows, one packet's frames, never the history.
-A process that dies is spawned again (`remote.RemoteStage`); one whose serving process is gone exits.
+"""Worker processes on this host (`placement: process`, `placement: pipeline`): a host (`replica_host.GroupHost`,
+`pipeline.PipelineHost`) built in a spawned process (the serving process has threads and maybe CUDA: no fork;
+every GPU visible, a replica on `cuda:<device>`), and `ProcessLink`, the serving process's end of its two pipes:
+adds and aborts in (a reader thread hands them to the host in order), events and stats out (the process's main
+thread drains the host every `DRAIN_WAIT_S` at most). Payloads cross as `wire` pickles, their tensors' bytes
+inline, already on the CPU (`replica_host.to_cpu`), each O(its chunk): one token's rows, one packet's frames,
+never the history. A process whose serving process is gone exits.
 """
 
 from __future__ import annotations
@@ -22,26 +18,25 @@ from typing import Any
 
 import torch
 
-from omnistage.engine.request import Request
-from omnistage.pipeline.placement.local import Placement, replica_names
-from omnistage.pipeline.placement.remote import DRAIN_WAIT_S, RemoteStage
-from omnistage.pipeline.placement.replica_host import Event, ReplicaHost, build_order
-from omnistage.pipeline.placement.stage_handle import StageHandles
+from omnistage.pipeline.placement.local import Placement
+from omnistage.pipeline.placement.remote import DRAIN_WAIT_S
+from omnistage.pipeline.placement.replica_host import Event, GroupHost
 from omnistage.pipeline.placement.wire import dumps, loads
 
 START_TIMEOUT_S = 1800  # a full-size replica's load, profiling build and captures
 
 
-def serve_replica(p: Placement, name: str, replica: int, wname: str, tokenizer: Any, tts: torch.Tensor | None,
-                  rebuilt: bool, threads: int, inbox: Any, outbox: Any) -> None:
-    """A replica's process."""
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {wname} %(levelname)s %(name)s: %(message)s")
+def serve_group(p: Placement, members: list[tuple[str, int, str]], tokenizer: Any, tts: torch.Tensor | None,
+                threads: int, inbox: Any, outbox: Any) -> None:
+    """The process of the replicas `members` (those of one deploy device)."""
+    names = "+".join(w for _, _, w in members)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {names} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
-    run_host(lambda: ReplicaHost(p, name, replica, wname, tokenizer, tts, rebuilt), inbox, outbox)
+    run_host(lambda: GroupHost(p, members, tokenizer, tts), inbox, outbox)
 
 
 def run_host(make: Callable[[], Any], inbox: Any, outbox: Any) -> None:
-    """A host's process (a `ReplicaHost` or a pipeline's): ("info", info, tts embeds) or ("error", why) once
+    """A host's process (a `GroupHost` or a `PipelineHost`): ("info", info, tts embeds) or ("error", why) once
     `make()` built it, then (events, stats) at each drain."""
     try:
         host = make()
@@ -81,13 +76,13 @@ class ProcessLink:
         self.process.start()
         inbox.close()
         outbox.close()
-        self._lock = threading.Lock()
+        self._lock, self.closed = threading.Lock(), False
         kind, *rest = self._first()
         if kind == "error":
             self.kill()
             raise RuntimeError(f"{name}: its process failed to build it: {rest[0]}")
         self._info, self.tts = rest
-        self._stats = self._info["stats"]
+        self._stats = self._info["stats"] if isinstance(self._info, dict) else None
 
     def _first(self) -> tuple:
         try:
@@ -99,7 +94,7 @@ class ProcessLink:
         raise RuntimeError(f"{self.process.name}: its process ended before its replica was built "
                            f"(exit code {self.process.exitcode})")
 
-    def info(self) -> dict[str, Any]:
+    def info(self) -> Any:
         return self._info
 
     def start(self) -> None:
@@ -115,7 +110,7 @@ class ProcessLink:
         except OSError:
             pass  # NOTE: the process died: the pump's drain says so
 
-    def drain(self, timeout: float) -> tuple[list[Event], dict[str, int | float]]:
+    def drain(self, timeout: float) -> tuple[list[Event], Any]:
         if not self._reader.poll(timeout):
             if not self.process.is_alive():
                 raise EOFError(f"exit code {self.process.exitcode}")
@@ -128,25 +123,6 @@ class ProcessLink:
         self.process.join(timeout=30)
         self._writer.close()
 
-
-def build_process_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_code2wav: Callable,
-                         on_error: Callable[..., None], *, lookup: Callable[[str], Request | None],
-                         on_state: Callable[[str, int, bool], None] | None = None) -> StageHandles:
-    """Every stage replica in its own process (built and ready; pumps not started)."""
-    replicas = replica_names(p)
-    links, args, tts = {}, {}, None
-    threads = torch.get_num_threads()
-
-    def start(k: int, rebuilt: bool = False) -> ProcessLink:
-        return ProcessLink(serve_replica, (*args[k], rebuilt, threads), replicas[k][2])
-
-    for name, i, wname in build_order(replicas):
-        k = replicas.index((name, i, wname))
-        args[k] = (p, name, i, wname, tokenizer if name == "thinker" else None, tts if name == "talker" else None)
-        links[k] = start(k)
-        tts = links[k].tts if tts is None else tts
-    to_next = {"thinker": to_talker, "talker": to_code2wav}
-    return StageHandles.of([(name, RemoteStage(
-        links[k], wname, (name, i), to_next.get(name), on_error, lookup, on_state,
-        respawn=lambda k=k: start(k, rebuilt=True), same_clock=True))
-        for k, (name, i, wname) in enumerate(replicas)])
+    def close(self) -> None:
+        self.closed = True
+        self.kill()

@@ -39,7 +39,7 @@ class RayLink:
     """A `remote.Link` to one actor."""
 
     def __init__(self, actor: Any) -> None:
-        self.actor = actor
+        self.actor, self.closed = actor, False
 
     def info(self) -> dict[str, Any]:
         return ray.get(self.actor.info.remote())
@@ -55,6 +55,10 @@ class RayLink:
 
     def kill(self) -> None:
         ray.kill(self.actor)
+
+    def close(self) -> None:
+        self.closed = True
+        self.kill()
 
 
 def gpu_shares(p: Placement, replicas: list[tuple[str, int, str]]) -> list[tuple[int, float]]:

@@ -44,7 +44,14 @@ class Link(Protocol):
     def drain(self, timeout: float) -> tuple[list[Event], dict[str, int | float]]:
         """Raises when the replica is gone."""
 
-    def kill(self) -> None: ...
+    def kill(self) -> None:
+        """After its death (or to make sure of it)."""
+
+    def close(self) -> None:
+        """Lets go of it for good (the engine stops): `closed` from then on, its end is no death."""
+
+    @property
+    def closed(self) -> bool: ...
 
 
 class RemoteStage:
@@ -121,7 +128,7 @@ class RemoteStage:
 
     def stop(self) -> None:
         self._stopping = True
-        self.link.kill()
+        self.link.close()
         self._pump.join(timeout=10)
         self._sender.join(timeout=10)
         if self.on_stop is not None:
@@ -135,7 +142,7 @@ class RemoteStage:
             try:
                 events, self._stats = self.link.drain(DRAIN_WAIT_S)
             except Exception as e:  # NOTE: the replica died (killed, its node lost, its process crashed)
-                if not self._stopping:
+                if not (self._stopping or self.link.closed):  # NOTE: closed: a group member stopped first
                     self._died(f"its process died: {e!r}")
                 return
             for kind, request_id, payload, usage, finish_reason, phases in events:
@@ -211,3 +218,15 @@ def merge(req: Request, usage: Usage, finish_reason: str | None, phases: dict[st
         req.finish_reason = finish_reason
     for phase, t in (phases or {}).items():
         req.phases.setdefault(phase, t)
+
+
+def build_remote(placement: str, *args: Any, **kwargs: Any) -> Any:
+    """The `StageHandles` of a remote placement ("process", "pipeline" or "ray"; each module imported only
+    when chosen: Ray is optional)."""
+    if placement == "ray":
+        from omnistage.pipeline.placement.ray import build_ray_stages as build
+    elif placement == "pipeline":
+        from omnistage.pipeline.placement.pipeline import build_pipeline_stages as build
+    else:
+        from omnistage.pipeline.placement.groups import build_process_stages as build
+    return build(*args, **kwargs)

@@ -63,19 +63,23 @@ class ReplicaHost:
     def __init__(self, p: Placement, name: str, replica: int, worker_name: str, tokenizer: Any = None,
                  tts: torch.Tensor | None = None, rebuilt: bool = False) -> None:
         """`rebuilt`: started again after it died, the others running: it takes all its device has left."""
-        self.p = p
-        self.outbox: Inbox[Event] = Inbox(threading.Event())
-        self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
         # NOTE: a per-replica budget: of what its GPU has left when it starts, its share among the replicas on
         # its deploy device index still to be built (in `build_order`, one after another): the last takes all.
         order = [(n, i) for n, i, _ in build_order(replica_names(p))]
         key = (name, replica)
         later = [key] if rebuilt else order[order.index(key):]
         groups = {(n, i): p.deploy.stage(n).replica_devices[i] for n, i in later}
-        self.stage = build_sized_replicas(p, [key], kv_shares(p, groups), {name: self._to_next},
-                                          tokenizer=tokenizer, tts=tts)[key]
-        device = p.place(name, replica)[0]
-        self.worker = replica_worker(p, name, worker_name, self.stage, device, self._on_error)
+        stage = build_sized_replicas(p, [key], kv_shares(p, groups), {name: lambda chunk: self._to_next(chunk)},
+                                     tokenizer=tokenizer, tts=tts)[key]
+        self._attach(p, name, replica, worker_name, stage, threading.Event())
+
+    def _attach(self, p: Placement, name: str, replica: int, worker_name: str, stage: Any,
+                wake: threading.Event) -> None:
+        """`wake`: set by every event queued (shared by the replicas of one process: `GroupHost`)."""
+        self.p, self.stage = p, stage
+        self.outbox: Inbox[Event] = Inbox(wake)
+        self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
+        self.worker = replica_worker(p, name, worker_name, stage, p.place(name, replica)[0], self._on_error)
 
     def info(self) -> dict[str, Any]:
         return {"kv_capacity": kv_capacity(self.stage), "stats": worker_stats(self.worker)}
@@ -142,3 +146,40 @@ class ReplicaHost:
         for req in requests or []:
             self.requests.pop(req.request_id, None)
             self.outbox.put(("fail", req.request_id, repr(error), None, None, None))
+
+
+class GroupHost:
+    """Several replicas in one process (`placement: process`: those of one deploy device, one CUDA context), their
+    KV caches sized together as the local placement sizes a device's; `ReplicaHost`'s interface over all of them,
+    ops and events tagged by the member's index (`handle((i, ops))`; `drain`: per member, in order)."""
+
+    def __init__(self, p: Placement, members: list[tuple[str, int, str]], tokenizer: Any = None,
+                 tts: torch.Tensor | None = None) -> None:
+        self.wake = threading.Event()
+        hosts: dict[tuple[str, int], ReplicaHost] = {}
+        keys = [(n, i) for n, i, _ in members]
+        after = {k: (lambda chunk, k=k: hosts[k]._to_next(chunk)) for k in keys}
+        stages = build_sized_replicas(p, keys, kv_shares(p, {k: p.place(*k)[0] for k in keys}), after,
+                                      tokenizer=tokenizer, tts=tts)
+        for n, i, w in members:
+            hosts[n, i] = ReplicaHost.__new__(ReplicaHost)
+            hosts[n, i]._attach(p, n, i, w, stages[n, i], self.wake)
+        self.hosts = [hosts[k] for k in keys]
+
+    def info(self) -> list[dict[str, Any]]:
+        return [h.info() for h in self.hosts]
+
+    def tts_embeds(self) -> torch.Tensor | None:
+        return next((t for h in self.hosts if (t := h.tts_embeds()) is not None), None)
+
+    def start(self) -> None:
+        for h in self.hosts:
+            h.start()
+
+    def handle(self, tagged: tuple[int, list[tuple]]) -> None:
+        self.hosts[tagged[0]].handle(tagged[1])
+
+    def drain(self, timeout: float) -> tuple[list[list[Event]], list[dict[str, int | float]]]:
+        self.wake.wait(timeout)
+        self.wake.clear()  # NOTE: before draining: an event queued meanwhile sets it again
+        return [h.outbox.drain() for h in self.hosts], [worker_stats(h.worker) for h in self.hosts]

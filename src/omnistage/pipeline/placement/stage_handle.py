@@ -114,6 +114,23 @@ class StageHandles:
             return self.talkers[0].kv_capacity
         return getattr(self.thinkers[0], "talker_kv_capacity", None) if self.thinkers else None
 
+    def stats(self) -> dict[str, dict[str, int | float]]:
+        """By replica name; a pipeline's handle (`placement: pipeline`) nests its stages' (`pipeline<i>.<stage>`)."""
+        out = {}
+        for h in self:
+            s = h.stats()
+            inner = {f"{h.name}.{k}": {**v, "restarts": s["restarts"]} for k, v in s.get("stages", {}).items()}
+            out.update(inner or {h.name: s})
+        return out
+
+    def health(self, failed: bool) -> dict[str, Any]:
+        """"ok"; "degraded" while a replica is started again and its stage has another up; "unavailable" while
+        none of a stage's is up, or once the engine has `failed`. `replicas`: those not up."""
+        down = {h.name: h.state for h in self if h.state != "up"}
+        serving = not failed and all(any(h.state == "up" for h in g) for g in (self.thinkers, self.talkers,
+                                                                                 self.code2wavs) if g)
+        return {"status": "unavailable" if not serving else "degraded" if down else "ok", "replicas": down}
+
     def __iter__(self) -> Iterator[StageHandle]:
         yield from self.thinkers
         yield from self.talkers
