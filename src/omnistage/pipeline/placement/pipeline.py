@@ -1,10 +1,9 @@
 """`placement: pipeline`: each data-parallel pipeline (its thinker, talkers and code2wavs: the deploy layout once,
 on its own GPUs) in a worker process of its own, running the local placement inside (an `Orchestrator` with
-`placement: local`, threads and CUDA streams as on one GPU). Why not a process per stage replica (`process.py`):
-replicas of one GPU in separate processes have separate CUDA contexts, which the GPU time-slices instead of running
-their kernels side by side (on one H200, three stage processes gave 22.0 req/s at c = 64 against 27.9 in
-threads, benchmarks/HISTORY.md); here each GPU keeps one process, and only a request (in) and its output deltas
-(out) cross processes, never a token's or a frame's payload.
+`placement: local`, threads and CUDA streams as on one GPU). Against `placement: process` (a process per device,
+`groups.py`), only a request (in) and its output deltas (out) cross processes, never a token's or a frame's
+payload; and as there, each GPU keeps one process (separate processes' CUDA contexts are time-sliced: on one
+H200, three stage processes gave 22.0 req/s at c = 64 against 27.9 in threads, benchmarks/HISTORY.md).
 
 The serving process holds a `remote.RemoteStage` per pipeline, as it would a thinker replica: its router picks
 the pipeline (least loaded, a session's last one); a pipeline whose process dies fails its requests and is
