@@ -76,7 +76,7 @@ class ProcessLink:
         self.process.start()
         inbox.close()
         outbox.close()
-        self._lock, self.closed = threading.Lock(), False
+        self._lock, self._kill_lock, self.closed = threading.Lock(), threading.Lock(), False
         kind, *rest = self._first()
         if kind == "error":
             self.kill()
@@ -119,9 +119,12 @@ class ProcessLink:
         return events, self._stats
 
     def kill(self) -> None:
-        self.process.kill()
-        self.process.join(timeout=30)
-        self._writer.close()
+        """Idempotent; safe from several threads (a group's members notice its death together)."""
+        with self._kill_lock:  # NOTE: not `_lock`: a send blocked on a stuck process holds that one
+            self.process.kill()
+            self.process.join(timeout=30)
+            if not self._writer.closed:
+                self._writer.close()
 
     def close(self) -> None:
         self.closed = True

@@ -164,7 +164,10 @@ class RemoteStage:
         self.on_error(error, held)
         if not again:
             return self.on_error(error)
-        self.link.kill()
+        try:
+            self.link.kill()
+        except Exception:  # NOTE: it is gone either way: the new one must still be started
+            logger.exception("stage %s: killing its process", self.name)
         threading.Thread(target=self._restart, name=f"omnistage-{self.name}-restart", daemon=True).start()
 
     def _restart(self) -> None:
