@@ -1,4 +1,5 @@
-"""Shared by the placement tests: an engine of a remote placement and its local twin on the same deploy config."""
+"""Shared by the placement tests: an engine of a remote placement and its local twin on the same deploy config,
+greedy requests on them, their results compared."""
 
 from __future__ import annotations
 
@@ -6,8 +7,15 @@ import contextlib
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
+
 from omnistage.config import DeployConfig
-from omnistage.entrypoints.omni import Omni
+from omnistage.entrypoints.omni import ChatResult, Omni
+
+from graph_helpers import settle
+from test_engine import conv, greedy
+
+VOICES = ["Ethan", "Aiden", "Chelsie"]
 
 
 @contextlib.contextmanager
@@ -22,3 +30,32 @@ def twins(d: Path, deploy: DeployConfig, placement: str, device: str = "cpu") ->
         for o in (remote, local):
             if o is not None:
                 o.engine.shutdown()
+
+
+def start(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
+    """Greedy requests (every fourth one text only; all with `frames` 0), added to the engine; their streams
+    fill the results."""
+    results = [ChatResult() for _ in ids]
+    for i, (rid, r) in enumerate(zip(ids, results)):
+        o.engine.add_request(o.engine.make_request(
+            rid, conv(i), None, want_audio=i % 4 != 3 and frames > 0, voice=VOICES[i % 3], emit=r.add,
+            session=session, **greedy(tokens, max(frames, 1))))
+    return results
+
+
+def run(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
+    results = start(o, ids, tokens, frames, session)
+    settle(lambda: check(all(r.finish_reason is not None for r in results)), 60)
+    return results
+
+
+def check(flag: bool) -> None:
+    assert flag
+
+
+def same(x: ChatResult, y: ChatResult, audio_atol: float = 1e-6) -> None:
+    assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason == "length"
+    assert x.usage == y.usage
+    if y.codes is not None:
+        assert np.array_equal(x.codes, y.codes)
+        np.testing.assert_allclose(x.audio, y.audio, atol=audio_atol)

@@ -8,12 +8,11 @@ import numpy as np
 import pytest
 
 from omnistage.config_loader import default_deploy_config, load_deploy_config
-from omnistage.entrypoints.omni import ChatResult, Omni
+from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
 from graph_helpers import settle
-from placement_helpers import twins
-from test_engine import conv, greedy
+from placement_helpers import check, run, start, twins
 
 KV = 16 << 20
 PIPELINES = ("pipeline0", "pipeline1")
@@ -30,25 +29,6 @@ def engines():
     d = tiny_checkpoint("tiny")
     with twins(d, deploy(d, 2), "pipeline") as (remote, _), twins(d, deploy(d, 1), "local") as (local, _):
         yield remote, local
-
-
-def start(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
-    results = [ChatResult() for _ in ids]
-    for i, (rid, r) in enumerate(zip(ids, results)):
-        o.engine.add_request(o.engine.make_request(
-            rid, conv(i), None, want_audio=i % 4 != 3, voice=["Ethan", "Aiden", "Chelsie"][i % 3], emit=r.add,
-            session=session, **greedy(tokens, frames)))
-    return results
-
-
-def run(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
-    results = start(o, ids, tokens, frames, session)
-    settle(lambda: check(all(r.finish_reason is not None for r in results)), 60)
-    return results
-
-
-def check(flag: bool) -> None:
-    assert flag
 
 
 def rows(o: Omni, before: dict) -> dict[str, int]:

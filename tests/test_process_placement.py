@@ -7,22 +7,20 @@ whole file."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 
 from omnistage.config_loader import default_deploy_config, load_deploy_config
-from omnistage.entrypoints.omni import ChatResult, Omni
+from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.placement import wire
 
 from graph_helpers import settle
-from placement_helpers import twins
+from placement_helpers import check, run, same, start, twins
 from test_engine import conv, greedy
 
 KV = 16 << 20
-VOICES = ["Ethan", "Aiden", "Chelsie"]
 REPLICAS = ("thinker0", "thinker1", "talker0", "talker1", "code2wav0", "code2wav1")
 
 
@@ -38,35 +36,6 @@ def engines():
     d = tiny_checkpoint("tiny")
     with twins(d, deploy(d), "process") as pair:
         yield pair
-
-
-def start(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
-    """Greedy requests (every fourth one text only; all with `frames` 0), added to the engine; their streams
-    fill the results."""
-    results = [ChatResult() for _ in ids]
-    for i, (rid, r) in enumerate(zip(ids, results)):
-        o.engine.add_request(o.engine.make_request(
-            rid, conv(i), None, want_audio=i % 4 != 3 and frames > 0, voice=VOICES[i % 3], emit=r.add,
-            session=session, **greedy(tokens, max(frames, 1))))
-    return results
-
-
-def run(o: Omni, ids: list[str], tokens: int, frames: int, session: str | None = None) -> list[ChatResult]:
-    results = start(o, ids, tokens, frames, session)
-    settle(lambda: check(all(r.finish_reason is not None for r in results)), 60)
-    return results
-
-
-def check(flag: bool) -> None:
-    assert flag
-
-
-def same(x: ChatResult, y: ChatResult, audio_atol: float = 1e-6) -> None:
-    assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason == "length"
-    assert x.usage == y.usage
-    if y.codes is not None:
-        assert np.array_equal(x.codes, y.codes)
-        np.testing.assert_allclose(x.audio, y.audio, atol=audio_atol)
 
 
 def rows(o: Omni, before: dict) -> dict[str, int]:
