@@ -59,3 +59,18 @@ def same(x: ChatResult, y: ChatResult, audio_atol: float = 1e-6) -> None:
     if y.codes is not None:
         assert np.array_equal(x.codes, y.codes)
         np.testing.assert_allclose(x.audio, y.audio, atol=audio_atol)
+
+
+def gpu_twins(placement: str) -> contextlib.AbstractContextManager[tuple[Omni, Omni]]:
+    """`twins` on the GPU: the tiny checkpoint in float32 without graphs, KV caches of 16 MiB (in bytes: the remote
+    engine's share of the GPU would otherwise leave its local twin nothing)."""
+    import torch
+
+    from omnistage.config_loader import default_deploy_config, load_deploy_config
+    from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+
+    torch.cuda.empty_cache()  # NOTE: memory this process keeps cached counts as another process's to its children
+    d, small, kv = tiny_checkpoint("tiny"), {"cuda_graph": False, "dtype": "float32"}, 16 << 20
+    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
+        "thinker": {**small, "kv_cache_memory": kv}, "talker": {**small, "kv_cache_memory": kv}, "code2wav": small}})
+    return twins(d, cfg, placement, "cuda")

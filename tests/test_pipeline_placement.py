@@ -13,7 +13,7 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
 from graph_helpers import settle
-from placement_helpers import check, run, start, twins
+from placement_helpers import check, gpu_twins, run, start, twins
 
 KV = 16 << 20
 PIPELINES = ("pipeline0", "pipeline1")
@@ -103,12 +103,7 @@ def test_a_killed_pipeline_fails_only_its_requests_and_comes_back(engines) -> No
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_on_the_gpu_the_same_as_the_local_placement() -> None:
     """One pipeline in its process on the GPU against the local placement: the same tokens and codes."""
-    torch.cuda.empty_cache()  # NOTE: memory this process keeps cached counts as another process's to its child
-    d = tiny_checkpoint("tiny")
-    small = {"cuda_graph": False, "dtype": "float32"}
-    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
-        "thinker": {**small, "kv_cache_memory": KV}, "talker": {**small, "kv_cache_memory": KV}, "code2wav": small}})
-    with twins(d, cfg, "pipeline", "cuda") as (remote, local):
+    with gpu_twins("pipeline") as (remote, local):
         ids = [f"gpu{i}" for i in range(4)]
         for x, y in zip(run(remote, ids, 8, 12), run(local, ids, 8, 12)):
             assert x.token_ids == y.token_ids and x.usage == y.usage

@@ -17,7 +17,7 @@ from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.placement import wire
 
 from graph_helpers import settle
-from placement_helpers import check, run, same, start, twins
+from placement_helpers import check, gpu_twins, run, same, start, twins
 from test_engine import conv, greedy
 
 KV = 16 << 20
@@ -151,12 +151,7 @@ def test_a_payload_costs_its_own_bytes_only() -> None:
 def test_on_the_gpu_the_same_as_the_local_placement() -> None:
     """The process placement on one GPU (one process: the device's replicas, payloads through the serving
     process) against the local placement."""
-    torch.cuda.empty_cache()  # NOTE: memory this process keeps cached counts as another process's to them
-    d = tiny_checkpoint("tiny")
-    small = {"cuda_graph": False, "dtype": "float32"}
-    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
-        "thinker": {**small, "kv_cache_memory": KV}, "talker": {**small, "kv_cache_memory": KV}, "code2wav": small}})
-    with twins(d, cfg, "process", "cuda") as (remote, local):
+    with gpu_twins("process") as (remote, local):
         ids = [f"gpu{i}" for i in range(4)]
         # NOTE: code2wav's batches differ between the two runs and CUDA's kernels differ per batch shape: measured
         # on the H200 up to 5.1e-5 apart (tokens and codes equal)

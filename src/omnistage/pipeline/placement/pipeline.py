@@ -28,7 +28,7 @@ from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.placement.local import Placement
 from omnistage.pipeline.placement.process import ProcessLink, run_host
 from omnistage.pipeline.placement.remote import RemoteStage
-from omnistage.pipeline.placement.replica_host import SPEC_FIELDS, Event
+from omnistage.pipeline.placement.replica_host import Event, request_copy
 from omnistage.pipeline.placement.stage_handle import StageHandles
 
 
@@ -71,8 +71,7 @@ class PipelineHost:
                 self._add(request_id, spec)
 
     def _add(self, request_id: str, spec: dict[str, Any]) -> None:
-        req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=lambda d: self._emit(request_id, d))
-        req.arrival = spec["arrival"]
+        req = request_copy(spec, lambda d: self._emit(request_id, d))
         try:
             self.engine.add_request(req)
         except Exception as e:  # NOTE: refused here (a dead stage): the request fails, as in a stage
@@ -111,8 +110,6 @@ def build_pipeline_stages(p: Placement, tokenizer: Any, to_talker: Callable, to_
 
     handles = []
     for i in range(p.deploy.data_parallel_size):
-        handle = RemoteStage(start(i), f"pipeline{i}", ("thinker", i), None, on_error, lookup, on_state,
-                             respawn=lambda i=i: start(i))
-        handle.talker_kv_capacity = handle.link.info()["talker_kv_capacity"]
-        handles.append(("thinker", handle))
+        handles.append(("thinker", RemoteStage(start(i), f"pipeline{i}", ("thinker", i), None, on_error, lookup,
+                                               on_state, respawn=lambda i=i: start(i))))
     return StageHandles.of(handles)

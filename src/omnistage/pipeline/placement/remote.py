@@ -73,6 +73,7 @@ class RemoteStage:
             on_error, lookup, on_state, respawn, on_stop)
         info = link.info()
         self.kv_capacity: int | None = info["kv_capacity"]
+        self.talker_kv_capacity: int | None = info.get("talker_kv_capacity")  # a pipeline's (placement: pipeline)
         self._stats: dict[str, int | float] = info["stats"]
         # the requests the replica was sent a plain copy of (weak: an entry goes with its request)
         self._opened: weakref.WeakValueDictionary[str, Request] = weakref.WeakValueDictionary()

@@ -11,6 +11,7 @@ Payload tensors are copied to the CPU before they leave the replica.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
@@ -26,7 +27,7 @@ from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 # The Request fields the stages read: a request's plain copy in a replica is built from these.
 SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
 
-# (kind, request id, payload, the copy's usage, the copy's finish_reason, the copy's phases); kinds: "emit" (an
+# (kind, request id, payload, the copy's usage, its finish_reason, its phases or None: unchanged); kinds: "emit" (an
 # OutputDelta), "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead"
 # (payload: the error's repr; "dead" has no request).
 Event = tuple[str, str | None, Any, Any, str | None, dict[str, float] | None]
@@ -41,6 +42,13 @@ def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, st
 def request_spec(req: Request) -> dict[str, Any]:
     """The fields, and the driver's `arrival` (the copy's phases count from it)."""
     return {**{f: getattr(req, f) for f in SPEC_FIELDS}, "arrival": req.arrival}
+
+
+def request_copy(spec: dict[str, Any], emit: Callable[[Any], None]) -> Request:
+    """The replica's plain copy of a request from its `request_spec`."""
+    req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=emit)
+    req.arrival = spec["arrival"]
+    return req
 
 
 def to_cpu(payload: Any) -> Any:
@@ -79,6 +87,7 @@ class ReplicaHost:
         self.p, self.stage = p, stage
         self.outbox: Inbox[Event] = Inbox(wake)
         self.requests: dict[str, Request] = {}  # the plain copies of the requests this replica serves
+        self.phases_sent: dict[str, int] = {}  # per request: how many of its copy's phases went out
         self.worker = replica_worker(p, name, worker_name, stage, p.place(name, replica)[0], self._on_error)
 
     def info(self) -> dict[str, Any]:
@@ -92,9 +101,6 @@ class ReplicaHost:
 
     def start(self) -> None:
         self.worker.start()
-
-    def stop(self) -> None:
-        self.worker.stop()
 
     def handle(self, ops: list[tuple[str, str, dict[str, Any] | None, Any]]) -> None:
         """(`"add"`, request_id, spec, payload) and (`"abort"`, request_id, ...) in the driver's order."""
@@ -114,6 +120,7 @@ class ReplicaHost:
         self.stage.add(req if payload is None else replace(payload, request=req))
 
     def abort(self, request_id: str) -> None:
+        self.phases_sent.pop(request_id, None)
         req = self.requests.pop(request_id, None)
         if req is not None:
             req.aborted = True
@@ -124,17 +131,21 @@ class ReplicaHost:
         return self.outbox.wait_drain(timeout), worker_stats(self.worker)
 
     def _open(self, spec: dict[str, Any]) -> Request:
-        req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=lambda delta: self._event("emit", req, delta))
-        req.arrival = spec["arrival"]
+        req = request_copy(spec, lambda delta: self._event("emit", req, delta))
         # NOTE: the driver's request counts the parts done (the thinker's and code2wav's are in two replicas).
         req.part_done = lambda: self._event("part_done", req, forget=True)
         self.requests[req.request_id] = req
         return req
 
     def _event(self, kind: str, req: Request, payload: Any = None, forget: bool = False) -> None:
+        """The copy's phases go along only when it reached a new one (a few times a request, not per token)."""
+        phases = dict(req.phases) if len(req.phases) > self.phases_sent.get(req.request_id, 0) else None
+        if phases is not None:
+            self.phases_sent[req.request_id] = len(phases)
         if forget:
             self.requests.pop(req.request_id, None)
-        self.outbox.put((kind, req.request_id, payload, replace(req.usage), req.finish_reason, dict(req.phases)))
+            self.phases_sent.pop(req.request_id, None)
+        self.outbox.put((kind, req.request_id, payload, replace(req.usage), req.finish_reason, phases))
 
     def _to_next(self, chunk: Any) -> None:
         self._event("next", chunk.request, to_cpu(replace(chunk, request=None)), forget=chunk.finished)
@@ -145,6 +156,7 @@ class ReplicaHost:
             self.outbox.put(("dead", None, repr(error), None, None, None))
         for req in requests or []:
             self.requests.pop(req.request_id, None)
+            self.phases_sent.pop(req.request_id, None)
             self.outbox.put(("fail", req.request_id, repr(error), None, None, None))
 
 
