@@ -1,10 +1,10 @@
 """FP8 against bf16 at full size on the GPU (issue 23): the thinker and the talker built with seeded random weights
 (`--load-format dummy`), a prompt of random text ids run through each decoder; then the same modules quantised in
-place (`quantization: fp8`) and run again. Per layer and for the logits: relative error and cosine; the share of
+place (`--quantization`, fp8 or fp8-all) and run again. Per layer and for the logits: relative error and cosine; the share of
 positions whose argmax agrees (teacher-forced, as 64+ greedy steps would be scored). Random weights: a check of the
 kernels' and scales' arithmetic at the real shapes, not of speech quality.
 
-    python scripts/fp8_logits.py MODEL_DIR [--tokens 320] [--device cuda] [--json FILE]
+    python scripts/fp8_logits.py MODEL_DIR [--tokens 320] [--device cuda] [--quantization fp8] [--json FILE]
 (MODEL_DIR: a folder with the checkpoint's config.json, e.g. scripts/bench_model_dir.py's.)
 """
 
@@ -16,6 +16,7 @@ import json
 import torch
 import torch.nn.functional as F
 
+from omnistage.config_rules import QUANTIZATIONS
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import StaticBlockAllocator, forward_context
 from omnistage.models.qwen3_omni.model import build_stage, load_config, quantize_stage
@@ -47,7 +48,7 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
             "argmax_agree": round(agree, 4), "positions": len(cos)}
 
 
-def stage_check(config, stage: str, tokens: int, device: str) -> dict:
+def stage_check(config, stage: str, tokens: int, device: str, quantization: str) -> dict:
     m = build_stage(config, stage, load_format="dummy", device=device, dtype=torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(0)
     if stage == "thinker":
@@ -59,10 +60,10 @@ def stage_check(config, stage: str, tokens: int, device: str) -> dict:
         embeds, head = m.model.codec_embedding(ids), "codec_head"
     ref = run(m, embeds, head)
     before = sum(t.nbytes for t in [*m.parameters(), *m.buffers()])
-    quantize_stage(m, "fp8")
+    quantize_stage(m, quantization)
     after = sum(t.nbytes for t in [*m.parameters(), *m.buffers()])
     got = run(m, embeds, head)
-    return {"stage": stage, "bf16_gb": round(before / 1e9, 2), "fp8_gb": round(after / 1e9, 2), **compare(ref, got)}
+    return {"stage": stage, "quantization": quantization, "bf16_gb": round(before / 1e9, 2), "fp8_gb": round(after / 1e9, 2), **compare(ref, got)}
 
 
 def main() -> None:
@@ -70,12 +71,13 @@ def main() -> None:
     ap.add_argument("model_dir")
     ap.add_argument("--tokens", type=int, default=320)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--quantization", default="fp8", choices=QUANTIZATIONS)
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     config = load_config(args.model_dir)
     rows = []
     for s in ("thinker", "talker"):
-        rows.append(stage_check(config, s, args.tokens, args.device))
+        rows.append(stage_check(config, s, args.tokens, args.device, args.quantization))
         torch.cuda.empty_cache()
     for r in rows:
         print(json.dumps(r))

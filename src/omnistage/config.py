@@ -39,7 +39,7 @@ class StageConfig:
     cuda_graph_prefill_tokens: tuple[int, ...] = r.opt((), r.sizes)  # token buckets of fresh-prompt prefill graphs
     dtype: str = r.opt("bfloat16", r.dtype)
     stream_priority: int = r.opt(0, r.priority)  # CUDA stream priority of the stage's worker
-    quantization: str | None = r.opt(None, r.quantization)  # "fp8": weights quantised at load (thinker, talker)
+    quantization: str | None = r.opt(None, r.quantization)  # "fp8" / "fp8-all": quantised at load (thinker, talker)
     sampling: dict = field(default_factory=dict, metadata={"check": r.mapping})
 
     @property

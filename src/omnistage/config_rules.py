@@ -10,7 +10,7 @@ from typing import Any
 
 DTYPES = ("bfloat16", "float16", "float32")
 PLACEMENTS = ("local", "pipeline", "process", "ray")
-QUANTIZATIONS = ("fp8",)
+QUANTIZATIONS = ("fp8", "fp8-all")  # routed experts in FP8; "-all": the decoders' projections too
 QUANTIZED_STAGES = ("thinker", "talker")  # the stages that may set `quantization`
 
 

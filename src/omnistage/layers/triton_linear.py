@@ -7,8 +7,8 @@ and a second kernel adds the slices in order (deterministic, no atomics). GATED:
 of the merged `[2I, K]` gate_up weight, the gate and up tiles of the same columns in one program, rounded
 where eager rounds (each GEMM output, then `triton_activation.silu_mul_rounded`). FP8 weights (`layers.fp8`,
 weight-only): E4M3 tiles loaded and converted to x's dtype, the fp32 sums times the row scales (any shape: `CONFIGS`'
-None entries compare bf16 with cuBLAS). Tiles: `CONFIGS` (from scripts/linear_bench.py on the H200), else
-`config`'s heuristic. `OMNISTAGE_TRITON_LINEAR=0` turns it off.
+None entries compare bf16 with cuBLAS). Tiles: `triton_linear_tiles` (from scripts/linear_bench.py on the H200),
+else `config`'s heuristic. `OMNISTAGE_TRITON_LINEAR=0` turns it off.
 """
 
 from __future__ import annotations
@@ -18,47 +18,10 @@ import os
 import torch
 
 from omnistage.layers import fp8, triton_ops
+from omnistage.layers.triton_linear_tiles import CONFIGS, FP8_CONFIGS, Config
 
 ENABLED = os.environ.get("OMNISTAGE_TRITON_LINEAR", "1") != "0"
 MAX_M = 64
-Config = tuple[int, int, int, int, int, int]  # BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages, split_k
-# (weight rows N, K, M bucket, gated) -> Config, or None: F.linear (+ silu_mul) is faster there
-# H200, scripts/linear_bench.py (call `c106fcc`)
-CONFIGS: dict[tuple[int, int, int, bool], Config | None] = {
-    (4096, 1024, 16, False): (16, 32, 128, 4, 6, 1),  # cp_qkv 4.5 vs 5.0 us
-    (4096, 1024, 32, False): None,  # cp_qkv 5.5 vs 5.2 us
-    (4096, 1024, 64, False): (64, 32, 128, 4, 4, 1),  # cp_qkv 5.2 vs 5.3 us
-    (1024, 2048, 16, False): (16, 16, 256, 4, 4, 1),  # o_proj 5.5 vs 10.4 us
-    (1024, 2048, 32, False): (16, 16, 256, 4, 4, 1),  # o_proj 5.6 vs 5.8 us
-    (1024, 2048, 64, False): None,  # o_proj 6.6 vs 5.8 us
-    (6144, 1024, 16, True): (16, 32, 256, 4, 4, 1),  # cp_gate_up 6.7 vs 7.5 us
-    (6144, 1024, 32, True): None,  # cp_gate_up 7.7 vs 7.6 us
-    (6144, 1024, 64, True): (64, 32, 128, 4, 4, 1),  # cp_gate_up 7.4 vs 7.8 us
-    (1024, 3072, 16, False): (16, 16, 256, 4, 4, 4),  # cp_down 6.4 vs 6.7 us
-    (1024, 3072, 32, False): None,  # cp_down 6.9 vs 6.8 us
-    (1024, 3072, 64, False): None,  # cp_down 8.7 vs 7.1 us
-    (2048, 1024, 16, False): (16, 32, 128, 4, 6, 1),  # cp_lm_head 4.1 vs 4.7 us
-    (2048, 1024, 32, False): (16, 32, 128, 4, 6, 1),  # cp_lm_head 4.1 vs 4.8 us
-    (2048, 1024, 64, False): (64, 32, 128, 4, 4, 1),  # cp_lm_head 4.7 vs 4.8 us
-    (2560, 1024, 16, False): (16, 32, 128, 4, 6, 1),  # talker_qkv 4.2 vs 4.9 us
-    (2560, 1024, 32, False): None,  # talker_qkv 5.2 vs 4.9 us
-    (2560, 1024, 64, False): (64, 32, 128, 4, 4, 1),  # talker_qkv 4.9 vs 5.1 us
-    (1536, 1024, 16, True): (16, 32, 256, 4, 4, 1),  # talker_gate_up 5.6 vs 7.1 us
-    (1536, 1024, 32, True): (16, 32, 256, 4, 4, 1),  # talker_gate_up 5.2 vs 7.0 us
-    (1536, 1024, 64, True): (16, 32, 256, 4, 4, 1),  # talker_gate_up 5.2 vs 7.0 us
-    (1024, 768, 16, False): (16, 16, 512, 4, 3, 1),  # talker_down 3.3 vs 5.5 us
-    (1024, 768, 32, False): (16, 32, 128, 4, 6, 1),  # talker_down 3.3 vs 4.1 us
-    (1024, 768, 64, False): (16, 32, 128, 4, 6, 1),  # talker_down 3.4 vs 4.2 us
-    (5120, 2048, 16, False): None,  # thinker_qkv 8.8 vs 7.9 us
-    (5120, 2048, 32, False): None,  # thinker_qkv 10.7 vs 8.0 us
-    (5120, 2048, 64, False): None,  # thinker_qkv 9.9 vs 7.9 us
-    (2048, 4096, 16, False): None,  # thinker_o_proj 8.8 vs 8.4 us
-    (2048, 4096, 32, False): None,  # thinker_o_proj 10.9 vs 8.6 us
-    (2048, 4096, 64, False): None,  # thinker_o_proj 12.1 vs 8.8 us
-}
-# FP8 weights' tiles by the same key (an FP8 tile carries half the bytes of a bf16 one): `scripts/linear_bench.py
-# --fp8` on the H200 fills it; a shape not here takes CONFIGS' tiles
-FP8_CONFIGS: dict[tuple[int, int, int, bool], Config] = {}
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded

@@ -219,8 +219,9 @@ def add_serve_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "what weights and CUDA graphs leave goes to the KV caches (default: the deploy "
                         "config's gpu_memory_utilization, 0.90)")
     p.add_argument("--quantization", choices=QUANTIZATIONS, default=None,
-                   help="fp8: the thinker's and talker's projections and experts quantised at load, FP8 weights "
-                        "with per-row scales (default: the deploy config's stage `quantization`, none)")
+                   help="fp8: the thinker's and talker's routed experts quantised at load, FP8 weights with "
+                        "per-row scales; fp8-all: their attention and dense projections too (smaller, slower on "
+                        "the H200) (default: the deploy config's stage `quantization`, none)")
     p.add_argument("--api-key", default=os.environ.get("OMNISTAGE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1 routes (default: $OMNISTAGE_API_KEY)")
     p.add_argument("--max-body-bytes", type=int, default=64 << 20, help="larger request bodies get a 413")

@@ -196,11 +196,13 @@ def fuse_projections(module: nn.Module) -> None:
             m.fuse_projections()
 
 
-def quantize_fp8(module: nn.Module) -> None:
-    """`--quantization fp8`: every decoder attention's q/k/v/o, dense SwiGLU (the code predictor's layers, the
-    talker's shared expert) and routed experts in `module` held in FP8 with per-row scales; embeddings, norms,
-    routers (and the shared expert's gate), heads and everything outside the decoders as they are.
+def quantize_fp8(module: nn.Module, dense: bool = False) -> None:
+    """`--quantization fp8`: the routed experts in `module` held in FP8 with per-row scales (the bytes: 29.0 of the
+    thinker's 31.7 B parameters); with `dense` (`fp8-all`) also every decoder attention's q/k/v/o and dense SwiGLU
+    (the code predictor's layers, the talker's shared expert). Embeddings, norms, routers (and the shared expert's
+    gate), heads and everything outside the decoders stay as they are.
     NOTE: after `fuse_projections` (merged weights are quantised as one), never before it."""
+    kinds = (DecoderAttention, SwiGLUMLP, FusedExperts) if dense else (FusedExperts,)
     for m in list(module.modules()):
-        if isinstance(m, (DecoderAttention, SwiGLUMLP, FusedExperts)):
+        if isinstance(m, kinds):
             m.quantize_fp8()

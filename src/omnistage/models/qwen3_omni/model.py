@@ -59,10 +59,11 @@ def stage_module(config: Qwen3OmniMoeConfig, stage: str) -> nn.Module:
 
 
 def quantize_stage(module: nn.Module, quantization: str | None) -> nn.Module:
-    """A loaded stage's weights as the deploy key `quantization` asks: None as they are, "fp8" the decoders'
-    projections and experts in FP8 (`decoder.quantize_fp8`; thinker and talker only, `config_loader` checks)."""
-    if quantization == "fp8":
-        quantize_fp8(module)
+    """A loaded stage's weights as the deploy key `quantization` asks: None as they are, "fp8" the routed experts
+    in FP8, "fp8-all" the decoders' projections too (`decoder.quantize_fp8`; thinker and talker only,
+    `config_loader` checks)."""
+    if quantization in ("fp8", "fp8-all"):
+        quantize_fp8(module, dense=quantization == "fp8-all")
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}")
     return module
