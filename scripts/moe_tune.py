@@ -4,7 +4,7 @@ shapes at decode batch sizes, the time of `fused_moe` per tile config against th
 (`layers.fp8`, per expert per row scales), the fused kernel loading them (weight-only) per tile into
 `triton_fused_moe.FP8_TILES`, also tiles of wider K, against the bf16 experts' fused kernel at its tiles.
 
-usage: python scripts/moe_tune.py --out FILE [--batches 1,16,64] [--fp8]
+usage: python scripts/moe_tune.py --out FILE [--batches 1,16,64] [--fp8 | --prefill]
 """
 
 from __future__ import annotations
@@ -75,16 +75,32 @@ def tune(h: int, i: int, e: int, k: int, t: int, fp8_experts: bool = False) -> d
     return res
 
 
+def prefill(h: int, i: int, e: int, k: int, t: int) -> dict:
+    """Prefill sizes (past `MAX_SLOTS`): the grouped GEMMs with bf16 experts, with FP8 ones (activations quantised
+    per row, `torch._scaled_grouped_mm`), that quantisation alone, and FP8 experts dequantised then bf16 grouped."""
+    args = case(h, i, e, k, t)
+    (q13, s13), (q2, s2) = fp8.quantize_rows(args[1]), fp8.quantize_rows(args[2])
+    quant = (args[0], q13, q2, args[3], args[4], True, None, (s13, s2))
+    res = {"bf16_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True), 10),
+           "fp8_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
+           "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10),
+           "dequantize_experts_ms": time_ms(lambda: (fp8.dequantize(q13, s13, torch.bfloat16),
+                                                     fp8.dequantize(q2, s2, torch.bfloat16)), 10)}
+    print(f"t={t} h={h}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in res.items()), flush=True)
+    return res
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", required=True)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--fp8", action="store_true", help="FP8 experts (weight-only) against the bf16 fused kernel")
+    p.add_argument("--prefill", action="store_true", help="the grouped GEMMs, bf16 against FP8 experts (`prefill`)")
     a = p.parse_args()
     res: dict = {}
     for name, (h, i, e, k) in SHAPES.items():
         for t in map(int, a.batches.split(",")):
-            res[f"{name}_t{t}"] = tune(h, i, e, k, t, a.fp8)
+            res[f"{name}_t{t}"] = prefill(h, i, e, k, t) if a.prefill else tune(h, i, e, k, t, a.fp8)
             with open(a.out, "w") as f:
                 json.dump(res, f, indent=1)
 
