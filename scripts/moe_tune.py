@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from omnistage.layers import fp8, moe, triton_fused_moe
+from omnistage.layers import fp8, moe, triton_fp8, triton_fused_moe
 
 SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}  # hidden, moe_intermediate, experts, top-k
 TILES = [(16, n, k, w, s) for n, k in itertools.product((32, 64, 128), (64, 128, 256)) for w, s in ((4, 3), (4, 4), (8, 3))]
@@ -77,15 +77,17 @@ def tune(h: int, i: int, e: int, k: int, t: int, fp8_experts: bool = False) -> d
 
 def prefill(h: int, i: int, e: int, k: int, t: int) -> dict:
     """Prefill sizes (past `MAX_SLOTS`): the grouped GEMMs with bf16 experts, with FP8 ones (activations quantised
-    per row, `torch._scaled_grouped_mm`), that quantisation alone, and FP8 experts dequantised then bf16 grouped."""
+    per row, `torch._scaled_grouped_mm`), that quantisation alone, dequantising the FP8 experts (`triton_fp8`),
+    and `moe.fused_experts`' choice for FP8 experts (`DEQUANTIZE_SLOTS`)."""
     args = case(h, i, e, k, t)
     (q13, s13), (q2, s2) = fp8.quantize_rows(args[1]), fp8.quantize_rows(args[2])
     quant = (args[0], q13, q2, args[3], args[4], True, None, (s13, s2))
     res = {"bf16_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True), 10),
            "fp8_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
            "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10),
-           "dequantize_experts_ms": time_ms(lambda: (fp8.dequantize(q13, s13, torch.bfloat16),
-                                                     fp8.dequantize(q2, s2, torch.bfloat16)), 10)}
+           "dequantize_experts_ms": time_ms(lambda: (triton_fp8.dequantize(q13, s13, torch.bfloat16),
+                                                     triton_fp8.dequantize(q2, s2, torch.bfloat16)), 10),
+           "fp8_chosen_ms": time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)}
     print(f"t={t} h={h}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in res.items()), flush=True)
     return res
 

@@ -10,8 +10,9 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
   kernels (`layers.triton_moe`), the torch sort staying for long prefills;
 - fused (fast path, decode sizes): both expert GEMMs and the activation in Triton (`layers.triton_fused_moe`).
 FP8 experts (`scales`: fp32 per expert per output row, `layers.fp8`): the fused kernel loads E4M3 tiles (weight-only);
-the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm` (dequantised experts where torch
-lacks it); the reference loop dequantises each hit expert.
+the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm`, or past `DEQUANTIZE_SLOTS` (and
+where torch lacks it) dequantises the experts (`layers.triton_fp8` on the fast path) for the bf16 grouped GEMMs;
+the reference loop dequantises each hit expert.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fp8, triton_fused_moe, triton_moe
+from omnistage.layers import fp8, triton_fp8, triton_fused_moe, triton_moe
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
 from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
+# NOTE: past this many slots (T*k) FP8 experts are dequantised for the bf16 grouped GEMMs: on the H200 (moe_tune.py
+# --prefill, `4eeb4d4`) the thinker's `_scaled_grouped_mm` takes 0.60 ms at 1024 tokens (bf16 0.47), 2.62 at 4096
+# (bf16 0.92; dequantising a layer's experts moves 1.8 GB)
+DEQUANTIZE_SLOTS = 8192
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,8 +112,9 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     row = 16 if scales is not None else 16 // x.element_size()
     aligned = all(n % row == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
-        if scales is not None and not hasattr(torch, "_scaled_grouped_mm"):
-            w_gate_up, w_down = (fp8.dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
+        if scales is not None and (ids.numel() > DEQUANTIZE_SLOTS or not hasattr(torch, "_scaled_grouped_mm")):
+            dequantize = triton_fp8.dequantize if fast_path(x) else fp8.dequantize
+            w_gate_up, w_down = (dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
             scales = None
         return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x), shared, scales)
     return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids, scales), shared)
