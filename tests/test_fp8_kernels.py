@@ -88,7 +88,7 @@ def test_dequantize_kernel_is_the_reference_bit_for_bit() -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("t", [8, 300, 1100])  # 64 / 2400 / 8800 slots: the fused decode kernel /
+@pytest.mark.parametrize("t", [8, 300, 2100])  # 64 / 2400 / 16800 slots: the fused decode kernel /
 # `_scaled_grouped_mm` / the experts dequantised (`DEQUANTIZE_SLOTS`) for the bf16 grouped GEMMs
 def test_cuda_moe_paths(t: int) -> None:
     g = torch.Generator().manual_seed(t)

@@ -28,10 +28,10 @@ from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
-# NOTE: past this many slots (T*k) FP8 experts are dequantised for the bf16 grouped GEMMs: on the H200 (moe_tune.py
-# --prefill, `4eeb4d4`) the thinker's `_scaled_grouped_mm` takes 0.60 ms at 1024 tokens (bf16 0.47), 2.62 at 4096
-# (bf16 0.92; dequantising a layer's experts moves 1.8 GB)
-DEQUANTIZE_SLOTS = 8192
+# NOTE: past this many slots (T*k) FP8 experts are dequantised (one pass, 0.51 ms a thinker layer) for the bf16
+# grouped GEMMs. H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens: `_scaled_grouped_mm`
+# 0.59 / 1.08 / 2.64 ms, dequantised 0.97 / 1.25 / 1.42, bf16 experts 0.46 / 0.75 / 0.91; the talker's cross at ~9k
+DEQUANTIZE_SLOTS = 16384
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
