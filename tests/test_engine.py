@@ -84,7 +84,7 @@ def _all_free(o: Omni) -> None:
         assert t.blocks.num_used == 0 and not t.seqs
     for c in e.code2wavs:
         assert not c.seqs and len(c.streamer.cache.free_slots) == c.max_batch_size
-    assert e.talker_router.load == [0] * len(e.talkers) and e.code2wav_router.load == [0] * len(e.code2wavs)
+    assert e.routing.talker.load == [0] * len(e.talkers) and e.routing.code2wav.load == [0] * len(e.code2wavs)
     assert not e.requests
 
 

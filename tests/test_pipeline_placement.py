@@ -57,7 +57,7 @@ def test_a_session_stays_on_one_pipeline(engines) -> None:
         before = remote.engine.stats()
         (x,), (y,) = run(remote, [f"s{turn}"], 4, 3, session="bob"), run(local, [f"s{turn}"], 4, 3)
         assert x.token_ids == y.token_ids and np.array_equal(x.codes, y.codes)
-        on = remote.engine.thinker_router._sessions["bob"]
+        on = remote.engine.routing.thinker._sessions["bob"]
         settle(lambda: check(rows(remote, before)[PIPELINES[on]] > 0), 10)
         assert rows(remote, before)[PIPELINES[1 - on]] == 0
 
@@ -65,7 +65,7 @@ def test_a_session_stays_on_one_pipeline(engines) -> None:
 def all_free(o: Omni) -> None:
     for name, s in o.engine.stats().items():
         assert s["active"] == 0 and s["queue_depth"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
-    assert o.engine.thinker_router.load == [0, 0] and not o.engine.requests
+    assert o.engine.routing.thinker.load == [0, 0] and not o.engine.requests
 
 
 def test_abort_mid_stream_frees_both_pipelines(engines) -> None:
@@ -83,8 +83,8 @@ def test_a_killed_pipeline_fails_only_its_requests_and_comes_back(engines) -> No
     engine = remote.engine
     long = start(remote, ["k0", "k1"], 30, 2000)  # one per pipeline (least loaded)
     settle(lambda: check(all(r.audio is not None for r in long)), 30)
-    victim = engine.thinker_router._of["k0"]
-    assert engine.thinker_router._of["k1"] == 1 - victim
+    victim = engine.routing.thinker._of["k0"]
+    assert engine.routing.thinker._of["k1"] == 1 - victim
     engine.stages.thinkers[victim].link.process.kill()
     settle(lambda: check(long[0].finish_reason == "error"), 20)
     assert long[1].finish_reason is None and engine.error is None

@@ -102,7 +102,7 @@ def all_free(o: Omni) -> None:
     stats = o.engine.stats()
     for name, s in stats.items():
         assert s["active"] == 0 and s["queue_depth"] == 0 and s.get("kv_blocks_used", 0) == 0, (name, s)
-    assert o.engine.talker_router.load == [0, 0] and o.engine.code2wav_router.load == [0, 0]
+    assert o.engine.routing.talker.load == [0, 0] and o.engine.routing.code2wav.load == [0, 0]
     assert not o.engine.requests
 
 
@@ -187,7 +187,7 @@ def test_a_killed_actor_fails_only_its_requests_and_is_made_again(engines) -> No
     ids = [f"kill{i}" for i in range(3)]
     results = start(remote, ids, 30, engine.stages.talkers[0].kv_capacity // 2 - 64)
     settle(lambda: assert_all(r.audio is not None for r in results), 30)
-    on_talker0 = [r for rid, r in zip(ids, results) if engine.talker_router._of[rid] == 0]
+    on_talker0 = [r for rid, r in zip(ids, results) if engine.routing.talker._of[rid] == 0]
     assert len(on_talker0) == 2
     ray.kill(engine.stages.talkers[0].link.actor)
     settle(lambda: assert_all(r.finish_reason == "error" for r in on_talker0), 30)

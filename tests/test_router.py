@@ -127,7 +127,7 @@ def test_every_payload_of_a_request_reaches_one_replica_per_stage() -> None:
     assert sorted(per_request["talker"].values()) == sorted(len(r.token_ids) + 1 for r in results)
     assert set(per_request["code2wav"].values()) == {frames + 1}
     assert all(r.finish_reason == "length" and r.codes.shape == (16, frames) for r in results)
-    assert o.engine.talker_router.load == [0, 0] and o.engine.code2wav_router.load == [0, 0]
+    assert o.engine.routing.talker.load == [0, 0] and o.engine.routing.code2wav.load == [0, 0]
 
 
 def assert_finished(results: list[ChatResult]) -> None:

@@ -1,7 +1,7 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
 thread, by `placement.process.build_process_stages`, each in a worker process, or by
 `placement.ray.build_ray_stages`, each in a Ray actor), routes them over replicas (the thinker's: data-parallel
-pipelines), fails a request that fails in a stage (only it), fails a dead replica process's requests (only
+pipelines; `routing.StageRouting`), fails a request that fails in a stage (only it), fails a dead replica process's requests (only
 them) while it is started again, and fails every request loudly if a stage dies for good."""
 
 from __future__ import annotations
@@ -22,16 +22,14 @@ from omnistage.media import MediaPolicy, media_count
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
-from omnistage.pipeline.connector import FrameChunk, TextChunk
 from omnistage.pipeline.faults import EngineDeadError, NoReplicaError
 from omnistage.pipeline.input_checks import check_fits, check_int64, check_text
 from omnistage.pipeline.placement.local import Placement, build_stages
 from omnistage.pipeline.placement.remote import build_remote
 from omnistage.pipeline.placement.stage_handle import StageHandles
-from omnistage.pipeline.placement.router import Router, near_replicas
 from omnistage.pipeline.processor_pool import ProcessorPool
 from omnistage.pipeline.prompt_stream import PromptStream, open_stream
-from omnistage.pipeline.thinker.growth import PromptPiece
+from omnistage.pipeline.routing import StageRouting
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams, from_dict
 
 
@@ -52,15 +50,11 @@ class Orchestrator:
         workers = self.deploy.mm_processor_workers
         self.process: PromptProcessor | ProcessorPool = ProcessorPool(*args, workers) if workers else self.processor
         self.requests: dict[str, Request] = {}
-        args = (p, self.processor.tokenizer, self._to_talker, self._to_code2wav, self._on_error)
+        self.routing = StageRouting(self.deploy)
+        args = (p, self.processor.tokenizer, self.routing.to_talker, self.routing.to_code2wav, self._on_error)
         self.placement = placement or self.deploy.placement
         self.stages = self._build(args)
-        self.thinker_router = Router(len(self.stages.thinkers))
-        self.talker_router = Router(len(self.stages.talkers))
-        self.code2wav_router = Router(len(self.stages.code2wavs))
-        self._near = {"talker": near_replicas(self.deploy, "thinker", "talker"),
-                      "code2wav": near_replicas(self.deploy, "talker", "code2wav")}
-        self._held: dict[str, list[TextChunk]] = {}  # thinker output held back when async_chunk is off
+        self.routing.bind(self.stages)
         self._done = threading.Condition()
         self._error: BaseException | None = None
         for h in self.stages:
@@ -71,13 +65,7 @@ class Orchestrator:
     def _build(self, args: tuple) -> StageHandles:
         if self.placement == "local":
             return build_stages(*args)
-        return build_remote(self.placement, *args, lookup=self.requests.get, on_state=self._on_state)
-
-    def _on_state(self, stage: str, replica: int, up: bool) -> None:
-        """A remote replica went down (its requests failed) or is up again (started anew)."""
-        router = {"thinker": self.thinker_router, "talker": self.talker_router,
-                  "code2wav": self.code2wav_router}[stage]
-        router.set_up(replica, up)
+        return build_remote(self.placement, *args, lookup=self.requests.get, on_state=self.routing.set_up)
 
     # NOTE: the stage objects and their workers exist in this process with the local placement only.
     thinker = property(lambda self: self.stages.thinkers[0].stage)
@@ -90,43 +78,6 @@ class Orchestrator:
     def voices(self) -> list[str]:
         """The talker's speakers; none for a thinker-only checkpoint (enable_audio_output false)."""
         return sorted(self.config.talker_config.speaker_id) if self.config.enable_audio_output else []
-
-    def _to_talker(self, chunk: TextChunk) -> None:
-        if chunk.request.aborted:
-            return
-        if not self.deploy.async_chunk:  # ablation: the talker starts once the thinker has finished
-            held = self._held.setdefault(chunk.request.request_id, [])
-            held.append(chunk)
-            if not chunk.finished:
-                return
-            del self._held[chunk.request.request_id]
-        else:
-            held = [chunk]
-        req = chunk.request
-        near_thinker = self._near["talker"].get(self.thinker_router.replica_of(req.request_id), ())
-        talker = self.stages.talkers[self._pick(self.talker_router, req, prefer=near_thinker)]
-        for c in held:
-            talker.add(c)
-
-    def _to_code2wav(self, chunk: FrameChunk) -> None:
-        req = chunk.request
-        if not req.aborted:
-            near_talker = self._near["code2wav"].get(self.talker_router.replica_of(req.request_id), ())
-            self.stages.code2wavs[self._pick(self.code2wav_router, req, prefer=near_talker)].add(chunk)
-
-    def _to_thinker(self, item: Request | PromptPiece) -> None:
-        """A request to the thinker replica of its session (else the least loaded), its prompt's later pieces
-        after it."""
-        req = item if isinstance(item, Request) else item.request
-        self.stages.thinkers[self._pick(self.thinker_router, req, req.session)].add(item)
-
-    @staticmethod
-    def _pick(router: Router, req: Request, session: str | None = None, prefer: tuple[int, ...] = ()) -> int:
-        """Raises NoReplicaError (an EngineDeadError: 503) when every replica of the stage is restarting."""
-        i = router.pick(req.request_id, session, prefer)
-        if req.aborted:  # NOTE: an abort between the caller's check and `pick` would leak the load
-            router.release(req.request_id)
-        return i
 
     def make_request(self, request_id: str, messages: list[dict] | None, prompt_token_ids: list[int] | None, *,
                      want_audio: bool, voice: str | None, sampling: Any, talker_sampling: Any,
@@ -171,7 +122,7 @@ class Orchestrator:
                                      sampling=sampling, talker_sampling=talker_sampling, emit=emit,
                                      session=session)
 
-        return open_stream(self.processor, check_text(messages), make, self._to_thinker,
+        return open_stream(self.processor, check_text(messages), make, self.routing.to_thinker,
                            self.add_request, early=self.placement == "local")
 
     def stats(self) -> dict[str, dict[str, int]]:
@@ -209,7 +160,7 @@ class Orchestrator:
                 raise EngineDeadError(f"the engine has failed: {self._error!r}")
             self.requests[req.request_id] = req
         try:
-            self._to_thinker(req)
+            self.routing.to_thinker(req)
         except NoReplicaError:
             self._forget(req.request_id)
             raise
@@ -218,8 +169,7 @@ class Orchestrator:
         with self._done:
             was_in_flight = self.requests.pop(request_id, None) is not None
             self._done.notify_all()
-        for router in (self.thinker_router, self.talker_router, self.code2wav_router):
-            router.release(request_id)
+        self.routing.release(request_id)
         return was_in_flight
 
     def abort(self, request_id: str) -> bool:
@@ -231,7 +181,6 @@ class Orchestrator:
         req.aborted = True  # NOTE: before forgetting it, so no stage routes it again
         if not self._forget(request_id):
             return False
-        self._held.pop(request_id, None)
         for h in self.stages:
             h.abort(request_id)
         return True
