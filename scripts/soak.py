@@ -55,7 +55,8 @@ def serve_with_faults(serve_args: list[str]) -> None:
     from omnistage.pipeline.orchestrator import Orchestrator
     from omnistage.pipeline.talker.stage import TalkerStage
     from omnistage.pipeline.thinker.stage import ThinkerStage
-    from omnistage.server.launch import add_serve_args, serve
+    from omnistage.server.launch import serve
+    from omnistage.server.serve_args import add_serve_args
 
     marked: dict[str, str] = {}
     make_request, append, advance = Orchestrator.make_request, ThinkerStage._append, TalkerStage._advance

@@ -18,7 +18,8 @@ from omnistage.models.qwen3_omni.decoder import fuse_projections, quantize_fp8
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, build_stage, load_config
 from omnistage.pipeline.placement.sizing import module_bytes, weight_bytes
-from omnistage.server.launch import add_serve_args, deploy_config, deploy_overrides
+from omnistage.server.launch import deploy_config, deploy_overrides
+from omnistage.server.serve_args import add_serve_args
 
 # fp8: the routed experts; fp8-all: the decoders' projections too; nothing else (embeddings, norms, routers, heads)
 QUANTISED = {"fp8": re.compile(r"model\.layers\.\d+\.mlp\.experts\.(gate_up|down)_proj"),

@@ -7,8 +7,9 @@ import pytest
 
 from omnistage.config_loader import build_deploy_config
 
-from omnistage.server.launch import (
-    TINY_MODEL_NAME, LaunchError, add_serve_args, deploy_config, deploy_overrides, resolve_model)
+from omnistage.server.launch import (TINY_MODEL_NAME, LaunchError, deploy_config, deploy_overrides,
+                                     resolve_model)
+from omnistage.server.serve_args import add_serve_args
 
 
 def test_defaults_and_tiny(tiny_dir):

@@ -76,7 +76,7 @@ def test_only_plain_image_and_container_formats(tmp_path, monkeypatch):
 
 
 def test_serve_flags(tmp_path):
-    from omnistage.server.launch import add_serve_args
+    from omnistage.server.serve_args import add_serve_args
     from omnistage.server.media_args import media_policy
 
     parser = add_serve_args(argparse.ArgumentParser())

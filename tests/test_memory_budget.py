@@ -17,7 +17,8 @@ from omnistage.config_loader import load_deploy_config, resolve_deploy_config
 from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, load_config
 from omnistage.pipeline.placement.memory import (GiB, DeviceMemory, KVPlan, MemoryBudgetError, StageMemory,
                                                  check_weights, kv_summary, plan_kv, relative_shares)
-from omnistage.server.launch import add_serve_args, deploy_config, deploy_overrides
+from omnistage.server.launch import deploy_config, deploy_overrides
+from omnistage.server.serve_args import add_serve_args
 
 MiB = 1 << 20
 THINKER_BLOCK = 16 * 96 * 1024  # 16 tokens x 96 KiB (the full-size thinker)

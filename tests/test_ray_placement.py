@@ -15,7 +15,8 @@ from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.pipeline.placement.local import Placement, replica_names
-from omnistage.server.launch import LaunchError, add_serve_args, deploy_config, deploy_overrides
+from omnistage.server.launch import LaunchError, deploy_config, deploy_overrides
+from omnistage.server.serve_args import add_serve_args
 
 from graph_helpers import settle
 from placement_helpers import twins

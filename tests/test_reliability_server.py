@@ -21,7 +21,8 @@ from omnistage.config_loader import load_deploy_config
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.server.app import create_app
-from omnistage.server.launch import add_serve_args, build
+from omnistage.server.launch import build
+from omnistage.server.serve_args import add_serve_args
 from serve_process import USER
 
 pytest_plugins = ["serve_fixtures"]

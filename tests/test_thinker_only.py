@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.checkpoint_io import checkpoint_files
 from omnistage.outputs import NO_AUDIO_OUTPUT
-from omnistage.server.launch import add_serve_args, build
+from omnistage.server.launch import build
+from omnistage.server.serve_args import add_serve_args
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from omnistage.bench.cli import add_bench_args
 from omnistage.config_rules import PLACEMENTS
 from omnistage.models.qwen3_omni.make_tiny import add_make_tiny_args, run_make_tiny
-from omnistage.server.launch import RANDOM_WEIGHTS_NOTE, add_serve_args, serve
+from omnistage.server.launch import RANDOM_WEIGHTS_NOTE, serve
+from omnistage.server.serve_args import add_serve_args
 
 
 def _generate(args: argparse.Namespace) -> None:
