@@ -14,9 +14,10 @@ import torch
 from omnistage.config import ConfigError
 from omnistage.config_loader import build_deploy_config
 from omnistage.layers import fp8
+from omnistage.layers.moe import FusedExperts, experts_on_meta
 from omnistage.models.qwen3_omni.decoder import fuse_projections, quantize_fp8
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, build_stage, load_config
+from omnistage.models.qwen3_omni.model import FULL_SIZE_CONFIG, build_stage, load_config, quantize_stage
 from omnistage.pipeline.placement.sizing import module_bytes, weight_bytes
 from omnistage.server.launch import deploy_config, deploy_overrides
 from omnistage.server.serve_args import add_serve_args
@@ -70,6 +71,27 @@ def test_what_is_quantised(stage: str, quantization: str) -> None:
     assert 0.5 < ours_bytes / bf16 < 0.63  # 1 byte per weight + 4 per row (tiny rows: 16-64 weights)
     # the memory check's count on the meta device is the module's own
     assert weight_bytes(load_config(d), stage, torch.float32, quantization) == module_bytes(ours)
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+@pytest.mark.parametrize("quantization", ["fp8", "fp8-all"])
+def test_experts_quantised_as_they_load_equal_quantised_after(quantization: str, load_format: str) -> None:
+    """`build_stage` makes the experts in FP8 and quantises each tensor as it loads (never the whole stage in its
+    dtype): the same bytes as loading in the dtype and quantising after."""
+    d = tiny_checkpoint("tiny")
+    for stage in ("thinker", "talker"):
+        kw = {"model_dir": d, "load_format": load_format, "dtype": torch.bfloat16}  # NOTE: the checkpoint is fp32
+        ours = build_stage(load_config(d), stage, quantization=quantization, **kw)
+        after = quantize_stage(build_stage(load_config(d), stage, **kw), quantization)
+        a, b = ours.state_dict(), after.state_dict()
+        assert a.keys() == b.keys()
+        for k, v in a.items():
+            assert v.dtype == b[k].dtype and torch.equal(v.view(torch.uint8) if v.dtype == fp8.FP8 else v,
+                                                         b[k].view(torch.uint8) if v.dtype == fp8.FP8 else b[k]), k
+    with experts_on_meta():
+        experts = FusedExperts(4, 16, 8)
+    assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta  # no storage in the stage's dtype
 
 
 @torch.inference_mode()

@@ -17,6 +17,10 @@ the reference loop dequantises each hit expert.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from collections.abc import Iterator
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -120,24 +124,53 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids, scales), shared)
 
 
+_EXPERTS_ON_META = contextvars.ContextVar("experts_on_meta", default=False)
+
+
+@contextlib.contextmanager
+def experts_on_meta() -> Iterator[None]:
+    """`FusedExperts` made within it hold meta tensors until `empty_fp8` gives them E4M3 storage: `quantization:
+    fp8` fills them as the stage loads, so its experts are never held in the stage's dtype."""
+    token = _EXPERTS_ON_META.set(True)
+    try:
+        yield
+    finally:
+        _EXPERTS_ON_META.reset(token)
+
+
 class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
+        device = "meta" if _EXPERTS_ON_META.get() else None
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=device))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
 
+    def empty_fp8(self, device: torch.device) -> None:
+        """Both expert weights as uninitialised E4M3 with fp32 scales per expert per output row, on `device`."""
+        for name in ("gate_up_proj", "down_proj"):
+            shape = getattr(self, name).shape
+            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=fp8.FP8, device=device), requires_grad=False))
+            setattr(self, name.replace("_proj", "_scale"), torch.empty(shape[:2], dtype=torch.float32, device=device))
+
+    @torch.no_grad()
+    def fill_fp8(self, name: str, values: torch.Tensor) -> None:
+        """`name` ("gate_up_proj" / "down_proj", FP8) and its scales set to `values` quantised per row."""
+        q, scale = getattr(self, name), getattr(self, name.replace("_proj", "_scale"))
+        for e in range(0, q.shape[0], 16):  # NOTE: 16 experts at a time: fp32 temporaries of 16, not of all
+            q[e:e + 16], scale[e:e + 16] = fp8.quantize_rows(values[e:e + 16])
+
     @torch.no_grad()
     def quantize_fp8(self) -> None:
-        """Both expert weights in E4M3 with fp32 scales per expert per output row (`layers.fp8`)."""
-        for name in ("gate_up_proj", "down_proj"):
-            w = getattr(self, name)
-            q, scale = torch.empty_like(w, dtype=fp8.FP8), w.new_empty(w.shape[:2], dtype=torch.float32)
-            for e in range(0, w.shape[0], 16):  # NOTE: 16 experts at a time: fp32 temporaries of 16, not of all
-                q[e:e + 16], scale[e:e + 16] = fp8.quantize_rows(w[e:e + 16])
-            setattr(self, name, nn.Parameter(q, requires_grad=False))
-            setattr(self, name.replace("_proj", "_scale"), scale)
+        """Both expert weights in E4M3 with fp32 scales per expert per output row (`layers.fp8`); a no-op when
+        they were made in FP8 (`empty_fp8`)."""
+        if self.gate_up_proj.dtype == fp8.FP8:
+            return
+        weights = {name: getattr(self, name) for name in ("gate_up_proj", "down_proj")}
+        self.empty_fp8(self.gate_up_proj.device)
+        for name, w in weights.items():
+            self.fill_fp8(name, w)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, shared: Shared | None = None
                 ) -> torch.Tensor:

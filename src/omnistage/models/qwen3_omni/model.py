@@ -11,6 +11,7 @@ from torch import nn
 from transformers import Qwen3OmniMoeConfig
 
 from omnistage.layers import triton_ops
+from omnistage.layers.moe import FusedExperts, experts_on_meta
 from omnistage.models.qwen3_omni.decoder import fuse_projections, quantize_fp8
 from omnistage.models.qwen3_omni.weights import init_dummy_weights, load_stage_weights
 
@@ -76,12 +77,16 @@ def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path
     """A stage on `device` in `dtype`, eval mode: weights from `model_dir` (load_format "auto") or
     seeded random weights made on the device itself (load_format "dummy"). On CUDA (the fast path, unless
     OMNISTAGE_FUSED_OPS=0) the decoders' projections are then merged (`decoder.fuse_projections`), and then
-    quantised as `quantize_stage` does."""
+    quantised as `quantize_stage` does; FP8 experts are made in FP8 and quantised as they load (the same values)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    with torch.device(device), _default_dtype(dtype):
+    streamed = quantization in ("fp8", "fp8-all")  # the experts quantised as they load (`moe.experts_on_meta`)
+    with torch.device(device), _default_dtype(dtype), experts_on_meta() if streamed else contextlib.nullcontext():
         module = stage_module(config, stage)
     module.to(dtype).eval().requires_grad_(False)
+    for m in module.modules() if streamed else ():
+        if isinstance(m, FusedExperts):
+            m.empty_fp8(device)
     if load_format == "dummy":
         init_dummy_weights(module, stage, seed)
     elif load_format == "auto":

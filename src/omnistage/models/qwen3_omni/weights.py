@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from omnistage.layers import fp8
 from omnistage.models.qwen3_omni.checkpoint_names import expert_slot, hf_to_checkpoint_name
 from omnistage.models.qwen3_omni.fp8_checkpoint import dequantized, weight_block
 from omnistage.models.qwen3_omni.random_init import random_tensor
@@ -49,11 +50,12 @@ def iter_checkpoint(model_dir: str | Path, prefix: str, device: str | torch.devi
 @torch.no_grad()
 def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> None:
     """Copy the stage's checkpoint tensors into `module` (already on its device and dtype), FP8 weights
-    dequantised by their scales (fp8_checkpoint.py). Every parameter and persistent buffer must be covered;
-    extra checkpoint tensors are an error."""
+    dequantised by their scales (fp8_checkpoint.py); experts made in FP8 (`moe.experts_on_meta`) get each tensor
+    in the stage's dtype quantised per row. Every parameter and persistent buffer must be covered; extra
+    checkpoint tensors are an error."""
     targets = dict(module.state_dict(keep_vars=True))
     seen: set[str] = set()
-    device = next(iter(targets.values())).device
+    device, dtype = next(iter(targets.values())).device, stage_dtype(module)
     for name, tensor in dequantized(iter_checkpoint(model_dir, stage + ".", device="cpu"), weight_block(model_dir)):
         local = name[len(stage) + 1:]
         target, key = _target(targets, local)
@@ -61,7 +63,12 @@ def load_stage_weights(module: nn.Module, model_dir: str | Path, stage: str) -> 
             raise KeyError(f"checkpoint tensor {name} has no place in our {stage} module")
         if tuple(target.shape) != tuple(tensor.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != ours {tuple(target.shape)}")
-        target.copy_(tensor.to(device=device, dtype=target.dtype))
+        if target.dtype == fp8.FP8:
+            q, scale = fp8.quantize_rows(tensor.to(device=device, dtype=dtype))
+            target.copy_(q)
+            _scale_of(targets, local).copy_(scale)
+        else:
+            target.copy_(tensor.to(device=device, dtype=target.dtype))
         seen.add(key)
     missing = [k for k in _expected_keys(targets, seen) if k not in seen]
     if missing:
@@ -77,11 +84,26 @@ def _target(targets: dict[str, torch.Tensor], local: str) -> tuple[torch.Tensor 
     return (None if fused is None else slot.view(fused)), f"{base}.{slot.expert}.{slot.part}"
 
 
+def _scale_of(targets: dict[str, torch.Tensor], local: str) -> torch.Tensor:
+    """The FP8 experts' row scales that go with `local` (a per-expert slice or a fused tensor)."""
+    slot = expert_slot(local)
+    name = local if slot is None else slot.fused_name
+    scale = targets[name.replace("_proj", "_scale")]
+    return scale if slot is None else slot.view(scale)
+
+
+def stage_dtype(module: nn.Module) -> torch.dtype:
+    """The dtype the stage computes in: its first parameter's that is not FP8."""
+    return next(p.dtype for p in module.parameters() if p.dtype != fp8.FP8)
+
+
 def _expected_keys(targets: dict[str, torch.Tensor], seen: set[str]) -> Iterator[str]:
     """Names a checkpoint must provide; a fused expert tensor is satisfied by itself or by all its slices."""
     for name, t in targets.items():
         if name in seen:
             yield name
+        elif name.endswith((".experts.gate_up_scale", ".experts.down_scale")):
+            continue  # FP8 experts' scales: made from the weights
         elif name.endswith(".experts.gate_up_proj"):
             base = name[: -len(".gate_up_proj")]
             yield from (f"{base}.{e}.{p}" for e in range(t.shape[0]) for p in ("gate", "up"))
@@ -96,9 +118,17 @@ def _expected_keys(targets: dict[str, torch.Tensor], seen: set[str]) -> Iterator
 def init_dummy_weights(module: nn.Module, stage: str, seed: int = 0) -> None:
     """Seeded random weights for every parameter, made on the module's device. Seeds are keyed by the
     checkpoint name (fused experts keep their fused name), so on the same device they equal
-    `make-tiny`'s tensors and `init_reference_weights`' for any transformers version."""
+    `make-tiny`'s tensors and `init_reference_weights`' for any transformers version. Experts made in FP8
+    (`moe.experts_on_meta`) get the stage dtype's values quantised per row, one layer's tensor at a time."""
+    dtype = stage_dtype(module)
     for name, p in module.named_parameters():
-        p.copy_(random_tensor(f"{stage}.{name}", tuple(p.shape), seed, p.dtype, p.device))
+        values = random_tensor(f"{stage}.{name}", tuple(p.shape), seed, dtype if p.dtype == fp8.FP8 else p.dtype,
+                               p.device)
+        if p.dtype == fp8.FP8:
+            owner, _, leaf = name.rpartition(".")
+            module.get_submodule(owner).fill_fp8(leaf, values)
+        else:
+            p.copy_(values)
 
 
 @torch.no_grad()

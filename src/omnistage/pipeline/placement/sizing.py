@@ -111,7 +111,8 @@ class Loaded:
 def load_modules(p: Any, keys: list[Key]) -> Loaded:
     """Each replica's module on its device, once the weights of every CUDA device passed `check_weights`;
     each quantised (deploy `quantization`) as soon as it is loaded.
-    NOTE: a quantised stage is loaded in its dtype first: the load's peak holds that stage's unquantised weights."""
+    NOTE: FP8 experts are quantised as they load (the peak: one tensor in the stage's dtype); `fp8-all`'s dense
+    projections are loaded in the dtype first."""
     places = {k: p.place(*k) for k in keys}
     devices = list(dict.fromkeys(d for d, _ in places.values()))
     memory = {d: m for d in devices if (m := device_memory(d)) is not None}
