@@ -10,9 +10,9 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
   kernels (`layers.triton_moe`), the torch sort staying for long prefills;
 - fused (fast path, decode sizes): both expert GEMMs and the activation in Triton (`layers.triton_fused_moe`).
 FP8 experts (`scales`: fp32 per expert per output row, `layers.fp8`): the fused kernel loads E4M3 tiles (weight-only);
-the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm`, or past `DEQUANTIZE_SLOTS` (and
-where torch lacks it) dequantises the experts (`layers.triton_fp8` on the fast path) for the bf16 grouped GEMMs;
-the reference loop dequantises each hit expert.
+the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm`, or past `DEQUANTIZE_SLOTS`
+(and where torch lacks it) dequantises the experts (`layers.triton_fp8` on the fast path) for the bf16 grouped
+GEMMs; the reference loop dequantises each hit expert.
 """
 
 from __future__ import annotations
@@ -32,9 +32,10 @@ from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
-# NOTE: past this many slots (T*k) FP8 experts are dequantised (one pass, 0.51 ms a thinker layer) for the bf16
-# grouped GEMMs. H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens: `_scaled_grouped_mm`
-# 0.59 / 1.08 / 2.64 ms, dequantised 0.97 / 1.25 / 1.42, bf16 experts 0.46 / 0.75 / 0.91; the talker's cross at ~9k
+# NOTE: past this many slots (T*k) FP8 experts are dequantised (one pass, 0.51 ms a thinker layer) for the
+# bf16 grouped GEMMs. H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens:
+# `_scaled_grouped_mm` 0.59 / 1.08 / 2.64 ms, dequantised 0.97 / 1.25 / 1.42, bf16 experts 0.46 / 0.75 / 0.91;
+# the talker's cross at ~9k
 DEQUANTIZE_SLOTS = 16384
 
 
