@@ -142,18 +142,20 @@ def experts_on_meta() -> Iterator[None]:
 class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        device = "meta" if _EXPERTS_ON_META.get() else None
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, device=device))
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, device=device))
+        on = {"device": "meta"} if _EXPERTS_ON_META.get() else {}
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size, **on))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size, **on))
         self.register_buffer("gate_up_scale", None)
         self.register_buffer("down_scale", None)
 
     def empty_fp8(self, device: torch.device) -> None:
-        """Both expert weights as uninitialised E4M3 with fp32 scales per expert per output row, on `device`."""
+        """Both expert weights as empty E4M3 with fp32 scales per expert per output row, on `device`."""
         for name in ("gate_up_proj", "down_proj"):
             shape = getattr(self, name).shape
-            setattr(self, name, nn.Parameter(torch.empty(shape, dtype=fp8.FP8, device=device), requires_grad=False))
-            setattr(self, name.replace("_proj", "_scale"), torch.empty(shape[:2], dtype=torch.float32, device=device))
+            q = torch.empty(shape, dtype=fp8.FP8, device=device)
+            setattr(self, name, nn.Parameter(q, requires_grad=False))
+            scale = torch.empty(shape[:2], dtype=torch.float32, device=device)
+            setattr(self, name.replace("_proj", "_scale"), scale)
 
     @torch.no_grad()
     def fill_fp8(self, name: str, values: torch.Tensor) -> None:
