@@ -117,7 +117,8 @@ def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor
     row = 16 if scales is not None else 16 // x.element_size()
     aligned = all(n % row == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
-        if scales is not None and (ids.numel() > DEQUANTIZE_SLOTS or not hasattr(torch, "_scaled_grouped_mm")):
+        long_prefill = ids.numel() > DEQUANTIZE_SLOTS
+        if scales is not None and (long_prefill or not hasattr(torch, "_scaled_grouped_mm")):
             dequantize = triton_fp8.dequantize if fast_path(x) else fp8.dequantize
             w_gate_up, w_down = (dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
             scales = None
