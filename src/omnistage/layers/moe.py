@@ -131,8 +131,8 @@ _EXPERTS_ON_META = contextvars.ContextVar("experts_on_meta", default=False)
 
 @contextlib.contextmanager
 def experts_on_meta() -> Iterator[None]:
-    """`FusedExperts` made within it hold meta tensors until `empty_fp8` gives them E4M3 storage: `quantization:
-    fp8` fills them as the stage loads, so its experts are never held in the stage's dtype."""
+    """`FusedExperts` made within it hold meta tensors until `empty_fp8` gives them E4M3 storage:
+    `quantization: fp8` fills them as the stage loads, so its experts are never held in the stage's dtype."""
     token = _EXPERTS_ON_META.set(True)
     try:
         yield
