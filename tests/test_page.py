@@ -1,8 +1,8 @@
 """GET / in a real browser: Debian's headless Chromium (driven by Playwright) opens the page on the keyed tiny
 server; a text file is refused as an attachment and an image is attached; its fake microphone says a question,
 server VAD ends the turn and the page plays the answer (the image in the turn's prompt); the microphone speaks
-again while the answer plays: the page stops playback and truncates the answer to what was heard, and the
-second answer plays. Then push-to-talk: the space bar held and let go commits the (silent) input and asks for
+again while the answer plays: the page stops playback and truncates the answer to what was heard (when it had
+played all it got, the server's cancel alone cuts it), and the second answer plays. Then push-to-talk: the space bar held and let go commits the (silent) input and asks for
 a third answer. Every user turn gets its transcript line; the server's timings show beside the page's. Skips
 without Chromium (`apt-get install chromium`) or Playwright."""
 
@@ -91,13 +91,20 @@ def test_page_talks_to_the_model(servers, tmp_path):
         finally:
             browser.close()
     assert omni["errors"] == []
-    assert {name: omni["events"].get(name) for name in SPEECH} == SPEECH, omni
+    # NOTE: on a slow machine the page may have played all it got of the first answer when the second turn cut it
+    # (the server cancelled the rest): nothing dropped, nothing for the page to truncate
+    page_cut = omni["dropped"] > 0
+    expected = {**SPEECH, "conversation.item.truncated": 1 if page_cut else None}
+    assert {name: omni["events"].get(name) for name in SPEECH} == expected, omni
     assert omni["answers"] == received and omni["samples"] == sum(received.values())
     first, second, third = received.values()
     # the later answers whole (code2wav: N frames make N * 1920 - 555 samples; EOS may come before FRAMES)
     assert all((n + 555) % 1920 == 0 and 0 < n <= samples(FRAMES) for n in (second, third))
-    # the first one cut while playing (by the server too, if it was not all out yet)
-    assert 0 < omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
+    # the first one cut while playing (by the server too, if it was not all out yet), or by the server alone
+    if page_cut:
+        assert omni["dropped"] <= first <= samples(FRAMES) and 0 < omni["heard"] < first * 1000 // 24000
+    else:  # cut by the server before it was all sent
+        assert 0 < first < samples(FRAMES)
     assert omni["events"]["response.output_audio.delta"] == omni["deltas"]
     # the image went out as an item before the first turn, and the server added it
     assert len(images) == 1 and omni["images"] == images and chip_hidden
@@ -109,7 +116,7 @@ def test_page_talks_to_the_model(servers, tmp_path):
     for _, text, item in lines[1::2]:
         said = omni["transcripts"][item].strip()
         assert re.fullmatch(re.escape(f"{said} " if said else "") + r"\(\d\.\d s of speech\)", text), text
-    assert all(texts[1::2]) and cut == [texts[1]]  # the answers' transcripts; the first one cut
+    assert all(texts[1::2]) and cut == ([texts[1]] if page_cut else [])  # the answers' transcripts; the first cut
     # the client's timings of a turn: VAD decision (or the key let go) -> first audio; the answer's RTF
     for timed, n in ((vad_turn, second), (omni["lastTurn"], third)):
         assert timed["first_audio_ms"] > 0 and timed["rtf"] > 0 and timed["audio_s"] == n / 24000, timed
