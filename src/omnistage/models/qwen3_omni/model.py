@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from transformers import Qwen3OmniMoeConfig
 
+from omnistage.config_rules import QUANTIZATIONS
 from omnistage.layers import triton_ops
 from omnistage.layers.moe import FusedExperts, experts_on_meta
 from omnistage.models.qwen3_omni.decoder import fuse_projections, quantize_fp8
@@ -63,7 +64,7 @@ def quantize_stage(module: nn.Module, quantization: str | None) -> nn.Module:
     """A loaded stage's weights as the deploy key `quantization` asks: None as they are, "fp8" the routed experts
     in FP8, "fp8-all" the decoders' projections too (`decoder.quantize_fp8`; thinker and talker only,
     `config_loader` checks)."""
-    if quantization in ("fp8", "fp8-all"):
+    if quantization in QUANTIZATIONS:
         quantize_fp8(module, dense=quantization == "fp8-all")
     elif quantization is not None:
         raise ValueError(f"unknown quantization {quantization!r}")
@@ -80,7 +81,7 @@ def build_stage(config: Qwen3OmniMoeConfig, stage: str, *, model_dir: str | Path
     quantised as `quantize_stage` does; FP8 experts are made in FP8 and quantised as they load (the same values)."""
     device = torch.device(device)
     dtype = resolve_dtype(dtype, device)
-    streamed = quantization in ("fp8", "fp8-all")  # the experts quantised as they load (`moe.experts_on_meta`)
+    streamed = quantization in QUANTIZATIONS  # the experts quantised as they load (`moe.experts_on_meta`)
     with torch.device(device), _default_dtype(dtype), experts_on_meta() if streamed else contextlib.nullcontext():
         module = stage_module(config, stage)
     module.to(dtype).eval().requires_grad_(False)
