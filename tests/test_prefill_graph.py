@@ -45,15 +45,18 @@ def chat(o: Omni, n: int, audio: bool = True):
                   talker_sampling={"temperature": 0, "max_frames": 10, "ignore_eos": True})
 
 
-def counting(runner, captures: list | None = None) -> list[int]:
-    """Records the rows of every `runner.run` (and into `captures` whether it asked for the capture layer)."""
+def counting(runner, captures: list | None = None, cached: list | None = None) -> list[int]:
+    """Records the rows of every `runner.run` (and into `captures` whether it asked for the capture layer,
+    into `cached` the rows its prompts had in the cache)."""
     calls, run = [], runner.run
 
-    def spy(embeds, positions, lens, tables, capture=False, deepstack=None):
+    def spy(embeds, positions, lens, tables, capture=False, deepstack=None, computed=()):
         calls.append(sum(lens))
         if captures is not None:
             captures.append((capture, deepstack is not None))
-        return run(embeds, positions, lens, tables, capture, deepstack)
+        if cached is not None:
+            cached.append(sum(computed))
+        return run(embeds, positions, lens, tables, capture, deepstack, computed)
 
     runner.run = spy
     return calls
@@ -87,24 +90,29 @@ MEDIA = {"audio": {"type": "audio", "audio": tone(1.1)}, "image": {"type": "imag
 def test_media_prompts_take_the_prefill_graphs_with_the_accept_layer(kind: str) -> None:
     """A prompt with audio, an image or a video runs in the capture-layer graphs (DeepStack rows in their
     buffers); the talker's prompt reads their accept-layer rows: the same tokens, codes and audio as eager
-    prefills. Asked again, it runs whole in the graph again rather than eagerly past its cached prefix
-    (thinker/prefix.py)."""
-    conv = [{"role": "user", "content": [MEDIA[kind], "What is this?"]}]
+    prefills. Asked again, its rows past the cached prefix (whole blocks, one row at least left) run in the
+    graphs past cached rows, the prefix's accept-layer rows from the cache (thinker/prefix.py)."""
+    conv = [{"role": "system", "content": f"{kind.title()}: look."},  # its own first block: nothing cached yet
+            {"role": "user", "content": [MEDIA[kind], "What is this?"]}]
     kw = dict(sampling={"temperature": 0, "max_tokens": 5, "ignore_eos": True},
               talker_sampling={"temperature": 0, "max_frames": 8, "ignore_eos": True})
     eager = omni(False).chat(conv, **kw)
-    runner, captures = omni(True).engine.thinker.prefill, []
-    runner.graphs = EmulatedGraphs()
-    calls = counting(runner, captures)
+    runner, captures, cached = omni(True).engine.thinker.prefill, [], []
+    runner.graphs = graphs = EmulatedGraphs()
+    calls = counting(runner, captures, cached)
     try:
         ran, again = omni(True).chat(conv, **kw), omni(True).chat(conv, **kw)
     finally:
         runner.graphs = None
         del runner.run
-    assert calls == [eager.usage.prompt_tokens] * 2 and captures == [(True, kind != "audio")] * 2
-    assert again.token_ids == eager.token_ids
-    assert ran.token_ids == eager.token_ids and np.array_equal(ran.codes, eager.codes)
-    np.testing.assert_allclose(ran.audio, eager.audio, rtol=0, atol=1e-5)
+    assert {k[3] for k in graphs.fns} == {False, True}  # fresh, then past the cached rows
+    prompt = eager.usage.prompt_tokens
+    hit = (prompt - 1) // BLOCK * BLOCK
+    assert calls == [prompt, prompt - hit] and cached == [0, hit]
+    assert captures == [(True, kind != "audio"), (True, False)]  # the new rows: text, no DeepStack rows
+    for got in (ran, again):
+        assert got.token_ids == eager.token_ids and np.array_equal(got.codes, eager.codes)
+        np.testing.assert_allclose(got.audio, eager.audio, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("budget, steps", [(40, [[11, 25], [10, 18]]), (20, [[11], [19], [6, 10], [17], [1]])])
@@ -155,6 +163,44 @@ def test_run_matches_the_eager_forward_and_writes_only_live_slots() -> None:
     assert live <= changed <= live | scratch and changed & scratch
 
 
+def _past_cached(model, runner, computed: list[int], lens: list[int], device: str = "cpu"):
+    """Block tables for `computed` + `lens` rows each, the cached rows written by an eager forward first,
+    then (the new rows' embeds, positions, tables)."""
+    width = [-(-(c + n) // BLOCK) for c, n in zip(computed, lens)]
+    tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
+    g = torch.Generator(device).manual_seed(sum(computed) + sum(lens))
+    dtype, hidden = runner.embeds.dtype, runner.embeds.shape[1]
+    cached = [i for i, c in enumerate(computed) if c]
+    with forward_context(build_context([0] * len(cached), [computed[i] for i in cached],
+                                       [tables[i] for i in cached], BLOCK, device)):
+        model(torch.randn(sum(computed), hidden, device=device, generator=g).to(dtype),
+              torch.cat([torch.arange(computed[i], device=device) for i in cached]))
+    embeds = torch.randn(sum(lens), hidden, device=device, generator=g).to(dtype)
+    positions = torch.cat([torch.arange(c, c + n, device=device) for c, n in zip(computed, lens)])
+    return embeds, positions, tables
+
+
+@pytest.mark.parametrize("computed, lens", [([8, 0, 20], [5, 11, 3]), ([60], [1]), ([200], [16])])
+def test_rows_past_cached_ones_match_the_eager_forward(computed: list[int], lens: list[int]) -> None:
+    """A run past cached rows (a bucket of T rows reads up to 4 T of them: 200 cached take the 64-row
+    bucket for 16 new ones) equals the eager forward and writes only its new rows' slots and the scratch."""
+    stage = omni(True).engine.thinker
+    runner, model = stage.prefill, stage.thinker.model
+    assert runner.max_context == 4 * BUCKETS[-1] and runner.fits(lens, computed)
+    assert not runner.fits([1], [4 * BUCKETS[-1] + 1]) and runner._bucket(16, 200) == 64
+    embeds, positions, tables = _past_cached(model, runner, computed, lens)
+    before = kv(model).clone()
+    hidden = runner.run(embeds, positions, lens, tables, computed=computed)[0].clone()
+    after = kv(model).clone()
+    with forward_context(build_context(computed, lens, tables, BLOCK)):
+        ref = model(embeds, positions)[0]
+    torch.testing.assert_close(hidden, ref, rtol=1e-5, atol=1e-5)
+    slots = (after != before).flatten(4).any(-1).flatten(0, 1).any(0).flatten()
+    live = {t[p // BLOCK] * BLOCK + p % BLOCK for c, n, t in zip(computed, lens, tables) for p in range(c, c + n)}
+    scratch = set(range(runner.scratch * BLOCK, (runner.scratch + 1) * BLOCK))
+    assert live <= set(slots.nonzero()[:, 0].tolist()) <= live | scratch
+
+
 @pytest.mark.parametrize("lens", [[16], [1], [40, 60, 28]])
 def test_bucket_edges(lens: list[int]) -> None:
     # a prompt filling its bucket exactly (no padding rows), one row, and three prompts over one bucket
@@ -185,7 +231,7 @@ def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> No
     stage = omni_cuda().engine.thinker
     runner, model = stage.prefill, stage.thinker.model
     assert runner.graphs is not None and set(runner.graphs.graphs) == {  # captured at start
-        (t, c, d) for t in BUCKETS for c, d in ((False, False), (True, False), (True, True))}
+        (t, c, d, p) for t in BUCKETS for c, d in ((False, False), (True, False), (True, True)) for p in (False, True)}
     width = [-(-n // BLOCK) for n in lens]
     tables = [list(range(1 + sum(width[:i]), 1 + sum(width[:i + 1]))) for i in range(len(lens))]
     g = torch.Generator("cuda").manual_seed(sum(lens))
@@ -193,6 +239,20 @@ def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> No
     positions = torch.cat([torch.arange(n) for n in lens]).cuda()
     hidden = runner.run(embeds, positions, lens, tables)[0].clone()
     with forward_context(build_context([0] * len(lens), lens, tables, BLOCK, "cuda")):
+        ref = model(embeds, positions)[0]
+    assert torch.isfinite(hidden).all()
+    torch.testing.assert_close(hidden.float(), ref.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and flash attention need a GPU")
+@pytest.mark.parametrize("computed, lens", [([8, 0, 20], [5, 11, 3]), ([60], [1]), ([200, 700], [16, 90])])
+def test_captured_graph_past_cached_rows_matches_the_eager_forward_on_cuda(computed: list[int],
+                                                                         lens: list[int]) -> None:
+    stage = omni_cuda().engine.thinker
+    runner, model = stage.prefill, stage.thinker.model
+    embeds, positions, tables = _past_cached(model, runner, computed, lens, "cuda")
+    hidden = runner.run(embeds, positions, lens, tables, computed=computed)[0].clone()
+    with forward_context(build_context(computed, lens, tables, BLOCK, "cuda")):
         ref = model(embeds, positions)[0]
     assert torch.isfinite(hidden).all()
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=3e-2, atol=3e-2)

@@ -37,6 +37,8 @@ class StageConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = r.opt((), r.sizes)
     cuda_graph_capture_widths: tuple[int, ...] = r.opt((), r.sizes)  # KV blocks per row captured at start
     cuda_graph_prefill_tokens: tuple[int, ...] = r.opt((), r.sizes)  # token buckets of fresh-prompt prefill graphs
+    # thinker: prefill graphs again for rows past cached ones, a bucket of T rows reading up to ratio x T of them
+    cuda_graph_prefill_context_ratio: int = r.opt(0, r.non_negative_int)
     dtype: str = r.opt("bfloat16", r.dtype)
     stream_priority: int = r.opt(0, r.priority)  # CUDA stream priority of the stage's worker
     quantization: str | None = r.opt(None, r.quantization)  # "fp8" / "fp8-all": quantised at load (thinker, talker)

@@ -59,7 +59,8 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
         return
     if isinstance(stage, ThinkerStage):
         warm_encoders(stage.thinker, stage.device, stage.dtype)
-        stage.vision.capture()
+        if stage.vision is not None:
+            stage.vision.capture()
     if isinstance(stage, Code2WavStage):
         stage.runner.capture()
         return
@@ -118,6 +119,7 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                              num_blocks=num_blocks, block_size=sc.block_size,
                              cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
                              prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output,
+                             prefill_context_ratio=sc.cuda_graph_prefill_context_ratio,
                              prefix_caching=p.deploy.enable_prefix_caching,
                              encoder_cache_bytes=p.deploy.encoder_cache_mb << 20)
     elif name == "talker":

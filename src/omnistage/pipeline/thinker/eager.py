@@ -1,5 +1,5 @@
-"""The thinker's eager step: any mix of decode rows and prefill chunks in one forward (fresh text prompts
-alone through the prefill graphs), then sampling of the rows that need a token. The stage runs it for
+"""The thinker's eager step: any mix of decode rows and prefill chunks in one forward (through the prefill
+graphs where one run takes them), then sampling of the rows that need a token. The stage runs it for
 prefill chunks beside its decode graph, and for whole steps without one."""
 
 from __future__ import annotations
@@ -51,13 +51,13 @@ class ThinkerEagerStep:
 
     def _model(self, batch: list[tuple[ThinkerSeq, int]], rows: torch.Tensor, positions: torch.Tensor,
                capture: int | None, deepstack: Deepstack | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Path choice: fresh prompts alone through the prefill graphs (with the accept layer's rows where
-        the talker needs them, and their DeepStack rows), anything else eagerly."""
+        """Path choice: the rows through the prefill graphs where one run takes them (with the accept layer's
+        rows where the talker needs them, and their DeepStack rows), else eagerly."""
         lens, tables = [n for _, n in batch], [self.blocks.tables[s.req.request_id] for s, _ in batch]
-        if (self.prefill is not None and self.prefill.fits_deepstack(deepstack) and self.prefill.fits(lens)
-                and all(s.num_computed == 0 for s, _ in batch)):
-            return self.prefill.run(rows, positions, lens, tables, capture is not None, deepstack)
-        ctx = build_context([s.num_computed for s, _ in batch], lens, tables, self.blocks.block_size, self.device)
+        computed = [s.num_computed for s, _ in batch]
+        if self.prefill is not None and self.prefill.fits_deepstack(deepstack) and self.prefill.fits(lens, computed):
+            return self.prefill.run(rows, positions, lens, tables, capture is not None, deepstack, computed)
+        ctx = build_context(computed, lens, tables, self.blocks.block_size, self.device)
         with forward_context(ctx):
             return self.thinker.model(rows, positions, capture, deepstack)
 

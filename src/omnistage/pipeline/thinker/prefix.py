@@ -20,17 +20,19 @@ def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
     return block_hashes(seq.prompt_ids.tolist(), block_size, keys.spans if keys is not None else ())
 
 
-def take_prefix(blocks: BlockManager, seq: ThinkerSeq, graph_tokens: int) -> None:
+def take_prefix(blocks: BlockManager, seq: ThinkerSeq, graph_tokens: int, max_context: int = 0) -> None:
     """Skip the prompt's cached prefix, once, before its first row is computed (one row at least is left:
-    it gives the first token). Not where a prefill graph takes the whole prompt (at most `graph_tokens`;
-    0: no graphs): a graph over all of it costs less than an eager step over its new rows (at full size
-    ~100 ms of host time, whatever the rows)."""
+    it gives the first token). With prefill graphs (`graph_tokens`: the largest prompt they take whole; 0:
+    none), at most `max_context` rows (what a graph run reads past); with none past cached rows (0), not where a
+    graph takes the whole prompt: a graph over all of it costs less than an eager step over its new rows (at
+    full size ~100 ms of host time, whatever the rows)."""
     if seq.block_hashes is None or seq.num_computed or seq.cached_blocks >= 0:
         return
-    if seq.prompt_len <= graph_tokens:
+    if not max_context and seq.prompt_len <= graph_tokens:
         seq.cached_blocks = 0
         return
-    taken = blocks.match(seq.req.request_id, seq.block_hashes, seq.prompt_len - 1)
+    limit = min(seq.prompt_len - 1, max_context) if graph_tokens and max_context else seq.prompt_len - 1
+    taken = blocks.match(seq.req.request_id, seq.block_hashes, limit)
     seq.cached_blocks, seq.num_computed = len(taken), len(taken) * blocks.block_size
     seq.mm_hidden = [blocks.extra[b] for b in taken if b in blocks.extra]
 

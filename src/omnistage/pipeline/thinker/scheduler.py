@@ -17,10 +17,12 @@ from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 class ThinkerScheduler:
     def __init__(self, blocks: BlockManager, penalties: PenaltyTable, max_batch_size: int, token_budget: int,
-                 graph_tokens: int) -> None:
-        """`graph_tokens`: the largest prompt the prefill graphs take whole (thinker/prefix.py)."""
+                 graph_tokens: int, max_context: int = 0) -> None:
+        """`graph_tokens`: the largest prompt the prefill graphs take whole; `max_context`: the most cached rows
+        one prefill graph run reads past (thinker/prefix.py)."""
         self.blocks, self.penalties = blocks, penalties
         self.max_batch_size, self.token_budget, self.graph_tokens = max_batch_size, token_budget, graph_tokens
+        self.max_context = max_context
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
 
@@ -41,28 +43,33 @@ class ThinkerScheduler:
         # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
         batch = [(s, 1) for s in self.running
                  if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
-        budget = self.token_budget - len(batch)
+        budget, context = self.token_budget - len(batch), 0
         for seq in [s for s in self.running if s.in_prefill]:
-            if budget <= 0 or len(batch) >= self.max_batch_size:
+            if budget <= 0 or len(batch) >= self.max_batch_size or self._past_context(seq, context, batch):
                 return batch
             n = min(seq.rows_ready, budget)
             if n > 0 and self.room(seq, n):
                 batch.append((seq, n))
-                budget -= n
+                budget, context = budget - n, context + seq.num_computed
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size:
             seq = self.waiting[0]
-            take_prefix(self.blocks, seq, self.graph_tokens)
+            take_prefix(self.blocks, seq, self.graph_tokens, self.max_context)
             # NOTE: a prompt is split only when no other prefill shares the step: its later chunks run eagerly
             # (the prefill graphs take fresh prompts only), a 4096-token step 126 ms against 18.5 under load.
             split = seq.rows_ready > budget and any(s.in_prefill for s, _ in batch)
-            if split or not self.room(seq, seq.rows_ready):
+            if split or self._past_context(seq, context, batch) or not self.room(seq, seq.rows_ready):
                 break
             seq.req.mark("thinker_start")
             self.running.append(self.waiting.popleft())
             n = min(seq.rows_ready, budget)
             batch.append((seq, n))
-            budget -= n
+            budget, context = budget - n, context + seq.num_computed
         return batch
+
+    def _past_context(self, seq: ThinkerSeq, context: int, batch: list[tuple[ThinkerSeq, int]]) -> bool:
+        """Whether `seq`'s cached rows would take the step's prefill chunks (`context` of them so far) past
+        what one prefill graph run reads; the step's first chunk goes whatever its path."""
+        return (0 < self.max_context < context + seq.num_computed) and any(s.in_prefill for s, _ in batch)
 
     def release(self, seq: ThinkerSeq) -> None:
         """Its penalty row and KV blocks back; out of the queues."""

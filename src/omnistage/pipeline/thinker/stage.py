@@ -12,6 +12,7 @@ from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
+from omnistage.layers import triton_ops
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.models.qwen3_omni.rope_index import RopeSpec
 from omnistage.outputs import OutputDelta
@@ -38,11 +39,12 @@ class ThinkerStage(AsyncOutputStep):
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
-                 encoder_cache_bytes: int = 0) -> None:
+                 encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
-        `prefill_tokens` (its token buckets) are given, others eagerly; one KV block is then reserved for
-        padding rows; images and videos through `VisionGraphRunner`.
+        `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
+        `prefill_context_ratio`, others eagerly; one KV block is then reserved for padding rows; images and
+        videos through `VisionGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks."""
@@ -56,14 +58,17 @@ class ThinkerStage(AsyncOutputStep):
         self.prefill: PrefillGraphRunner | None = None
         self.vision: VisionGraphRunner | None = None
         if cuda_graph:
-            self.vision = VisionGraphRunner(thinker.visual, VISION_ROWS, VISION_FRAMES, self.device)
+            # NOTE: the encoders' reference attention syncs (per-sequence lengths): no graphs without the fast path
+            self.vision = VisionGraphRunner(thinker.visual, VISION_ROWS, VISION_FRAMES, self.device) \
+                if triton_ops.ENABLED else None
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
                                              self.penalties)
             self.prefill = prefill_runner(thinker.model, prefill_tokens, max_batch_size, block_size, scratch,
                                           config.talker_config.accept_hidden_layer,
-                                          len(config.thinker_config.vision_config.deepstack_visual_indexes))
+                                          len(config.thinker_config.vision_config.deepstack_visual_indexes),
+                                          prefill_context_ratio)
         self.eager = ThinkerEagerStep(thinker, self.blocks, self.penalties, self.prefill,
                                       config.talker_config.accept_hidden_layer)
         self.prefix_caching = prefix_caching
@@ -73,7 +78,7 @@ class ThinkerStage(AsyncOutputStep):
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
         self.scheduler = ThinkerScheduler(self.blocks, self.penalties, max_batch_size, max_num_batched_tokens,
-                                          self.graph_tokens)
+                                          self.graph_tokens, self.prefill.max_context if self.prefill else 0)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
