@@ -6,6 +6,8 @@
 #   1b. the same at 32 sessions started over 10 s (BENCH_STAGGER_S), so turns are not in lockstep;
 #   2. a 20 s turn at 1 and 32 sessions, 2 turns each (end-of-turn latency against the 2 s turn's);
 #   3. a chat row (P=160, c=16) alone, then the same row beside 64 idle realtime sessions (decode cost).
+# BENCH_RT_ROWS picks rows ("2s stagger 20s chat"; default all), BENCH_VARIANT labels them (one server of an A/B:
+# BENCH_STAGE_OVERRIDES), BENCH_TESTS runs those GPU tests first (into $OUT/pytest.log).
 # Wheels as scripts/gpu_bench.sh (silero-vad and websockets among them):  scripts/gpu_bench.sh prepare
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_realtime_bench.sh
 # Small scale on the CPU (~4 min):
@@ -15,25 +17,37 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=500
 . scripts/bench_start.sh
+if [[ -n ${BENCH_TESTS:-} ]]; then
+  timeout "${BENCH_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $BENCH_TESTS > "$OUT/pytest.log" 2>&1
+  echo "[$((SECONDS - T0)) s] tests rc=$?: $(tail -1 "$OUT/pytest.log")"
+fi
 start_main_server || exit 1  # no server: spend no more device time
+read -ra ROWS <<< "${BENCH_RT_ROWS:-2s stagger 20s chat}"
+has() { [[ " ${ROWS[*]} " == *" $1 "* ]]; }
 
 SESSIONS=${BENCH_SESSIONS:-1,32}
 RT=(--realtime --base-url "$URL" --random-weights --max-frames "${BENCH_FRAMES:-80}" --concurrency "$SESSIONS"
-    --output-dir "$OUT")
-echo "[$((SECONDS - T0)) s] realtime, 2 s turns with barge-in"
-"$PY" -m omnistage.cli bench "${RT[@]}" --clips question_2s --turns 6 --barge-in-every 3 --warmup 1
-echo "[$((SECONDS - T0)) s] realtime, 2 s turns, 32 sessions started over 10 s (turns not in lockstep)"
-"$PY" -m omnistage.cli bench "${RT[@]}" --concurrency 32 --clips question_2s --turns 6 --barge-in-every 3 \
-  --warmup 0 --stagger-s "${BENCH_STAGGER_S:-10}"  # the later --concurrency wins
-echo "[$((SECONDS - T0)) s] realtime, 20 s turns"
-(($(left) > 120)) && "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_20s --turns 2 --barge-in-every 0 --warmup 0
+    --output-dir "$OUT" ${BENCH_VARIANT:+--variant "$BENCH_VARIANT"})
+if has 2s; then
+  echo "[$((SECONDS - T0)) s] realtime, 2 s turns with barge-in"
+  "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_2s --turns 6 --barge-in-every 3 --warmup 1
+fi
+if has stagger; then
+  echo "[$((SECONDS - T0)) s] realtime, 2 s turns, 32 sessions started over 10 s (turns not in lockstep)"
+  "$PY" -m omnistage.cli bench "${RT[@]}" --concurrency 32 --clips question_2s --turns 6 --barge-in-every 3 \
+    --warmup 0 --stagger-s "${BENCH_STAGGER_S:-10}"  # the later --concurrency wins
+fi
+if has 20s && (($(left) > 120)); then
+  echo "[$((SECONDS - T0)) s] realtime, 20 s turns"
+  "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_20s --turns 2 --barge-in-every 0 --warmup 0
+fi
 
 CHAT=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --prompt-tokens 160
       --concurrency "${BENCH_CHAT_C:-16}" --num-prompts "${BENCH_CHAT_PROMPTS:-64}" --max-frames "${BENCH_FRAMES:-80}"
       --output-dir "$OUT")
 IDLE=${BENCH_IDLE:-64}
 ROW_S=$((($(left) - 20) / 2))
-if ((ROW_S > 20)); then
+if has chat && ((ROW_S > 20)); then
   echo "[$((SECONDS - T0)) s] chat c=${BENCH_CHAT_C:-16} alone, then beside $IDLE idle sessions (${ROW_S} s each)"
   "$PY" -m omnistage.cli bench "${CHAT[@]}" --warmup 4 --time-budget "$ROW_S" --variant "no idle sessions"
   "$PY" -m omnistage.cli bench "${CHAT[@]}" --warmup 0 --time-budget "$ROW_S" --idle-sessions "$IDLE" \

@@ -34,7 +34,7 @@ COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "workload
            "max stall ms": ("max_stall_ms", "{:.0f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
            "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
 # the realtime table: column -> (row key, format)
-REALTIME_COLUMNS = {"clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"), "sessions": ("concurrency", "{}"),
+REALTIME_COLUMNS = {"variant": ("variant", "{}"), "clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"), "sessions": ("concurrency", "{}"),
                     "stagger s": ("stagger_s", "{:.0f}"), "idle": ("idle_sessions", "{}"), "turns": ("num_turns", "{}"), "failed": ("failed", "{}"),
                     "end -> VAD ms": ("mean_speech_end_to_vad_ms", "{:.0f}"),
                     "VAD -> audio ms": ("mean_vad_to_first_audio_ms", "{:.0f}"),
@@ -132,7 +132,8 @@ def markdown(results: dict) -> str:
 def _realtime_lines(rows: list[dict]) -> list[str]:
     """The realtime rows (bench/realtime_metrics.py says what each time is)."""
     rows = sorted((r for r in rows if _is_realtime(r)),
-                  key=lambda r: (r["clip"], r["idle_sessions"], r["concurrency"], r.get("stagger_s", 0)))
+                  key=lambda r: (r.get("variant") or "", r["clip"], r["idle_sessions"], r["concurrency"],
+                                 r.get("stagger_s", 0)))
     if not rows:
         return []
     lines = ["", "Realtime sessions (per turn; end = the speech's last append sent, VAD = speech_stopped received, "
