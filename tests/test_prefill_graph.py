@@ -272,29 +272,3 @@ def test_groups_and_last_rows_over_several_runs() -> None:
     with forward_context(build_context([0] * len(lens), lens, tables, BLOCK)):
         ref = model(embeds, positions)[0][torch.tensor(lens).cumsum(0) - 1]
     torch.testing.assert_close(last, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
-def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
-    # a request joining a loaded stage must not wait for the step in flight: its ids stay on the host
-    from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds, prompt_embeds_batch, prompt_source
-
-    o = omni_cuda()
-    thinker, talker = o.engine.thinker, o.engine.talkers[0]  # idle workers: nothing else admits meanwhile
-    req = o.engine.make_request("sync", [{"role": "user", "content": PROMPTS[1]}], None, want_audio=True,
-                                voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
-                                emit=lambda d: None)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        seq = thinker._admit(req, media=(None, None, None))
-        slot = thinker.penalties.acquire(seq.prompt_ids)
-        embeds = seq.embeds.to(talker.dtype)
-        rows = prompt_embeds(talker.talker, talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Ethan")
-        source = prompt_source(talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Chelsie")
-        pair = prompt_embeds_batch(talker.talker, talker.tokens, [source, source])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    thinker.penalties.release(slot)
-    assert not seq.prompt_ids.is_cuda and not seq.has_mm and rows.is_cuda and rows.shape[0] > 9
-    assert pair[0].shape == rows.shape and torch.equal(pair[0], pair[1]) and not torch.equal(pair[0], rows)

@@ -54,13 +54,15 @@ class Thinker(nn.Module):
         return encode_visual(self.visual, pixel_values, grid_thw)
 
     def embed(self, input_ids: torch.Tensor, audio_embeds: torch.Tensor | None = None,
-              image: VisualEmbeds | None = None,
-              video: VisualEmbeds | None = None) -> tuple[torch.Tensor, Deepstack | None]:
-        """Token embeddings with encoder rows scattered into the placeholder positions (in order)."""
+              image: VisualEmbeds | None = None, video: VisualEmbeds | None = None,
+              host_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, Deepstack | None]:
+        """Token embeddings with encoder rows scattered into the placeholder positions (in order).
+        `host_ids`: the same ids on the host, where the positions are found without a device sync."""
+        ids = input_ids if host_ids is None else host_ids
         embeds = self.model.embed_tokens(input_ids)
         if audio_embeds is not None:
-            embeds = _scatter(embeds, input_ids == self.audio_token_id, audio_embeds)
-        parts = [(input_ids == tok, v) for tok, v in ((self.image_token_id, image), (self.video_token_id, video))
+            embeds = _scatter(embeds, ids == self.audio_token_id, audio_embeds)
+        parts = [(ids == tok, v) for tok, v in ((self.image_token_id, image), (self.video_token_id, video))
                  if v is not None]
         if not parts:
             return embeds, None
@@ -72,9 +74,9 @@ class Thinker(nn.Module):
         for level in range(len(parts[0][1].deepstack)):
             joint = embeds.new_zeros(index.shape[0], embeds.shape[1])
             for mask, v in parts:
-                joint[mask[index]] = v.deepstack[level].to(embeds.dtype)
+                joint = _scatter(joint, mask[index], v.deepstack[level])
             levels.append(joint)
-        return embeds, Deepstack(index, levels)
+        return embeds, Deepstack(index.to(embeds.device, non_blocking=True), levels)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, audio_embeds: torch.Tensor | None = None,
                 image: VisualEmbeds | None = None, video: VisualEmbeds | None = None,
@@ -89,7 +91,9 @@ class Thinker(nn.Module):
 
 
 def _scatter(embeds: torch.Tensor, mask: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    # NOTE: one host sync (the count check), only on forwards that carry encoder rows.
-    if int(mask.sum()) != rows.shape[0]:
-        raise ValueError(f"{int(mask.sum())} placeholder tokens but {rows.shape[0]} encoder rows")
-    return embeds.masked_scatter(mask[:, None], rows.to(embeds.dtype))
+    """`rows` into the rows of `embeds` where `mask`, in order."""
+    # NOTE: a mask on the device syncs here (its positions); one on the host (`embed`'s host_ids) does not.
+    index = mask.nonzero().squeeze(1)
+    if index.shape[0] != rows.shape[0]:
+        raise ValueError(f"{index.shape[0]} placeholder tokens but {rows.shape[0]} encoder rows")
+    return embeds.index_copy(0, index.to(embeds.device, non_blocking=True), rows.to(embeds.dtype))

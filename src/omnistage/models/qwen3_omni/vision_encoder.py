@@ -88,5 +88,6 @@ def vision_forward(visual: nn.Module, pixels: torch.Tensor, grids: list[list[int
     pos, index, weight, frames = vision_layout(visual, grids)
     device = pixels.device
     pos, index, weight = (x.to(device, non_blocking=True) for x in (pos, index, weight))
-    cu = F.pad(torch.tensor(frames, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0)).to(device)
+    cu = F.pad(torch.tensor(frames, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
+    cu = cu.to(device, non_blocking=True)
     return vision_blocks(visual, pixels, pos, index, weight, cu, max(frames))

@@ -48,10 +48,10 @@ def extend(thinker: torch.nn.Module, seq: ThinkerSeq, piece: PromptPiece, tokeni
     ids = torch.tensor(piece.input_ids, dtype=seq.prompt_ids.dtype)
     rows = None
     if piece.audio is not None:
-        feats = piece.audio[None].to(device, dtype)
+        feats = piece.audio[None].to(device, dtype, non_blocking=True)
         rows = thinker.encode_audio(feats, torch.ones(feats.shape[::2], dtype=torch.long))
         rows = rows[piece.skip:]
-    embeds, _ = thinker.embed(ids.to(device), rows)
+    embeds, _ = thinker.embed(ids.to(device, non_blocking=True), rows, host_ids=ids)
     mm = ids == thinker.audio_token_id
     seq.prompt_ids = torch.cat([seq.prompt_ids, ids])
     seq.embeds = torch.cat([seq.embeds, embeds])

@@ -44,7 +44,8 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
         feats = torch.cat([items[i][1] for i in todo], dim=1)
-        out = audio_forward(thinker.audio_tower, feats.to(device, dtype), [items[i][2] for i in todo])
+        out = audio_forward(thinker.audio_tower, feats.to(device, dtype, non_blocking=True),
+                            [items[i][2] for i in todo])
         n_window = thinker.audio_tower.config.n_window
         for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
             rows[i] = r
@@ -58,12 +59,12 @@ def _visual_rows(thinker: torch.nn.Module, pixels: list[torch.Tensor], grids: li
                  device: torch.device, vision: VisionGraphRunner | None) -> VisualEmbeds:
     """The items' rows: one eager vision-encoder call, or runs of `vision` (an item too large for one eagerly)."""
     if vision is None:
-        return thinker.encode_visual(torch.cat(pixels).to(device), torch.stack(grids))
+        return thinker.encode_visual(torch.cat(pixels).to(device, non_blocking=True), torch.stack(grids))
     lists, parts = [g.tolist() for g in grids], []
     for run in vision.groups(lists):
         px, gs = [pixels[j] for j in run], [lists[j] for j in run]
         parts.append(vision.run(px, gs) if vision.fits(gs) else
-                     thinker.encode_visual(torch.cat(px).to(device), torch.tensor(gs)))
+                     thinker.encode_visual(torch.cat(px).to(device, non_blocking=True), torch.tensor(gs)))
     return join_visual(parts)
 
 
@@ -140,7 +141,7 @@ def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any
     # NOTE: ids and their mask stay on the host: on the device, `has_mm` (and the talker's prompt masks)
     # would each sync with the step in flight; only the embedding lookup reads them there.
     ids = torch.tensor(p.input_ids)
-    embeds, deepstack = thinker.embed(ids.to(device, non_blocking=True), *media)
+    embeds, deepstack = thinker.embed(ids.to(device, non_blocking=True), *media, host_ids=ids)
     mm = torch.isin(ids, torch.tensor([thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id]))
     mrope = mrope_positions(p.input_ids, spec, p.image_grid_thw, p.video_grid_thw, p.video_second_per_grid,
                             p.audio_feature_lens, p.use_audio_in_video)

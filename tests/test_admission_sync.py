@@ -1,0 +1,58 @@
+"""A request joining a loaded thinker must not wait for the step in flight: admission (its encoders, prompt
+embeddings and positions) and its talker prompt launch work without a host sync (CUDA only)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mm_samples import image, tone
+from test_prefill_graph import PROMPTS, omni_cuda
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+
+
+def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
+    # a request joining a loaded stage must not wait for the step in flight: its ids stay on the host
+    from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds, prompt_embeds_batch, prompt_source
+
+    o = omni_cuda()
+    thinker, talker = o.engine.thinker, o.engine.talkers[0]  # idle workers: nothing else admits meanwhile
+    req = o.engine.make_request("sync", [{"role": "user", "content": PROMPTS[1]}], None, want_audio=True,
+                                voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
+                                emit=lambda d: None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seq = thinker._admit(req, media=(None, None, None))
+        slot = thinker.penalties.acquire(seq.prompt_ids)
+        embeds = seq.embeds.to(talker.dtype)
+        rows = prompt_embeds(talker.talker, talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Ethan")
+        source = prompt_source(talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Chelsie")
+        pair = prompt_embeds_batch(talker.talker, talker.tokens, [source, source])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    thinker.penalties.release(slot)
+    assert not seq.prompt_ids.is_cuda and not seq.has_mm and rows.is_cuda and rows.shape[0] > 9
+    assert pair[0].shape == rows.shape and torch.equal(pair[0], pair[1]) and not torch.equal(pair[0], rows)
+
+
+@pytest.mark.parametrize("part", [{"type": "audio", "audio": tone(1.1)}, {"type": "image", "image": image(5, 30, 44)}],
+                         ids=["audio", "image"])
+def test_media_admission_does_not_sync_the_device(part: dict) -> None:
+    # the encoders' inputs go up without waiting; the rows' placeholder positions come from the host ids
+    from omnistage.pipeline.thinker.inputs import encode_media
+
+    o = omni_cuda()
+    thinker = o.engine.thinker
+    req = o.engine.make_request("sync-media", [{"role": "user", "content": [part, "What is this?"]}], None,
+                                want_audio=True, voice="Ethan", sampling={"max_tokens": 4},
+                                talker_sampling={"max_frames": 4}, emit=lambda d: None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        media = encode_media(thinker.thinker, [req.prompt], thinker.device, thinker.dtype, None, thinker.vision)[0]
+        seq = thinker._admit(req, media=media)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert seq.has_mm and seq.embeds.is_cuda and seq.embeds.shape[0] == len(req.prompt.input_ids)
