@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from mm_samples import image, tone
 from test_prefill_graph import PROMPTS, omni_cuda
 
@@ -14,7 +13,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host sync
 
 def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
     # a request joining a loaded stage must not wait for the step in flight: its ids stay on the host
-    from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds, prompt_embeds_batch, prompt_source
+    from omnistage.models.qwen3_omni.talker_prompt_rows import (
+        prompt_embeds,
+        prompt_embeds_batch,
+        prompt_source,
+    )
 
     o = omni_cuda()
     thinker, talker = o.engine.thinker, o.engine.talkers[0]  # idle workers: nothing else admits meanwhile

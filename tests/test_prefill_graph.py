@@ -244,6 +244,19 @@ def test_captured_graph_matches_the_eager_forward_on_cuda(lens: list[int]) -> No
     torch.testing.assert_close(hidden.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
 
+def test_last_rows_past_cached_ones_over_several_runs() -> None:
+    # the talker's prompts past their cached user rows: runs split by rows (256) and by cached rows (1 024)
+    stage = omni(True).engine.talkers[0]
+    runner, model = stage.prefill, stage.talker.model
+    computed, lens = [40, 0, 900, 200], [30, 100, 200, 9]
+    assert runner.groups(lens, computed) == [(0, 2), (2, 3), (3, 4)] and runner.groups([1], [1025]) is None
+    embeds, positions, tables = _past_cached(model, runner, computed, lens)
+    last = runner.run_last(embeds, positions, lens, tables, computed)
+    with forward_context(build_context(computed, lens, tables, BLOCK)):
+        ref = model(embeds, positions)[0][torch.tensor(lens).cumsum(0) - 1]
+    torch.testing.assert_close(last, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs and flash attention need a GPU")
 @pytest.mark.parametrize("computed, lens", [([8, 0, 20], [5, 11, 3]), ([60], [1]), ([200, 700], [16, 90])])
 def test_captured_graph_past_cached_rows_matches_the_eager_forward_on_cuda(computed: list[int],

@@ -111,3 +111,34 @@ def test_second_turn_from_the_caches_equals_no_caches(engines) -> None:
     assert after["encoder_cache_hits"] - before["encoder_cache_hits"] == 2  # the image and the first audio
     assert "prefix_cache_hits" in plain.engine.thinker.stats() and plain.engine.thinker.stats()[
         "prefix_cache_hits"] == 0 and plain.engine.thinker.encoder_cache is None
+
+
+def test_the_talker_takes_the_history_user_rows_from_its_cache(engines) -> None:
+    """The second turn's talker prompt holds the first turn's user rows: its blocks whose thinker prefix was
+    final in the first prompt come from the talker's prefix cache (pipeline/talker/prefix.py); under another
+    system turn (the thinker computed those rows under it) none do. Both answer as an engine without caches."""
+    from omnistage.pipeline.talker.prefix import prompt_hashes
+
+    sampling, talker = {"temperature": 0, "max_tokens": 6}, {"temperature": 0, "max_frames": 8}
+    cached, plain = engines[True], engines[False]
+    stage = cached.engine.talkers[0]
+
+    def keys(conv: list) -> list[bytes]:
+        p = cached.engine.processor(conv)
+        return prompt_hashes(torch.tensor(p.input_ids), p, stage.tokens, stage.blocks.block_size, True)
+
+    def under(system: str, conv: list) -> list:  # a system turn of this test's: no other test's blocks
+        return [{"role": "system", "content": system}, *conv[1:]]
+
+    first = under("You are a kind voice.", _turns("")[0])
+    answer = cached.chat(first, sampling=sampling, talker_sampling=talker).text
+    second, other = (under(system, _turns(answer)[1]) for system in ("You are a kind voice.", "You are terse."))
+    common = next(i for i, (a, b) in enumerate(zip([*keys(first), None], keys(second))) if a != b)
+    assert 0 < common < len(keys(second))
+    for conv, hit in ((second, common * stage.blocks.block_size), (other, 0)):
+        before = stage.stats()["prefix_cache_hits"]
+        got = cached.chat(conv, sampling=sampling, talker_sampling=talker)
+        assert stage.stats()["prefix_cache_hits"] - before == hit
+        want = plain.chat(conv, sampling=sampling, talker_sampling=talker)
+        assert got.token_ids == want.token_ids and np.array_equal(got.codes, want.codes)
+        np.testing.assert_array_equal(got.audio, want.audio)

@@ -38,7 +38,9 @@ def omni(graph: bool) -> Omni:
     talker = replace(cfg.stages.talker, cuda_graph=graph, cuda_graph_batch_sizes=SIZES,
                        cuda_graph_capture_widths=(1,),  # every width bucket reachable
                        cuda_graph_prefill_tokens=())  # decode runner alone (tests/test_prefill_graph.py)
-    return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker)), device="cpu")
+    # NOTE: no prefix cache: each request writes (and the tests read) all of its own KV rows
+    return Omni(d, deploy=replace(cfg, stages=replace(cfg.stages, talker=talker), enable_prefix_caching=False),
+                device="cpu")
 
 
 def spy(o: Omni):

@@ -60,7 +60,7 @@ class PrefillGraphRunner:
 
     def fits(self, lens: Sequence[int], computed: Sequence[int] = ()) -> bool:
         """Whether the prompts go in one run (`computed`: the rows each has in the cache already)."""
-        return self.groups(lens) == [(0, len(lens))] and self._bucket(sum(lens), sum(computed)) is not None
+        return self.groups(lens, computed) == [(0, len(lens))] and self._bucket(sum(lens), sum(computed)) is not None
 
     def _bucket(self, total: int, cached: int) -> int | None:
         fits = (t for t in self.buckets if t >= total and cached <= self.context_ratio * t)
@@ -96,24 +96,25 @@ class PrefillGraphRunner:
         hidden, captured = self._forward(key) if self.graphs is None else self.graphs.replay(key)
         return hidden[:total], None if captured is None else captured[:total]
 
-    def groups(self, lens: Sequence[int]) -> list[tuple[int, int]] | None:
-        """Consecutive prompt ranges [a, b) that each fit one run (filled in order); None when a prompt alone
-        does not."""
-        out, a, rows = [], 0, 0
-        for i, n in enumerate(lens):
-            if n > self.buckets[-1]:
+    def groups(self, lens: Sequence[int], computed: Sequence[int] = ()) -> list[tuple[int, int]] | None:
+        """Consecutive prompt ranges [a, b) that each fit one run (filled in order; `computed`: the rows each
+        has cached); None when a prompt alone does not."""
+        out, a, rows, cached = [], 0, 0, 0
+        for i, (n, c) in enumerate(zip(lens, list(computed) or [0] * len(lens))):
+            if n > self.buckets[-1] or c > self.max_context:
                 return None
-            if rows + n > self.buckets[-1] or i - a == self.max_seqs:
+            if rows + n > self.buckets[-1] or cached + c > self.max_context or i - a == self.max_seqs:
                 out.append((a, i))
-                a, rows = i, 0
-            rows += n
+                a, rows, cached = i, 0, 0
+            rows, cached = rows + n, cached + c
         return out + [(a, len(lens))] if lens else out
 
     def run_last(self, embeds: torch.Tensor, positions: torch.Tensor, lens: Sequence[int],
-                 tables: Sequence[Sequence[int]]) -> torch.Tensor | None:
-        """The hidden state of each fresh prompt's last row, [len(lens), H], in as many runs as `groups`
-        needs; None when a prompt exceeds the largest bucket."""
-        groups = self.groups(lens)
+                 tables: Sequence[Sequence[int]], computed: Sequence[int] = ()) -> torch.Tensor | None:
+        """The hidden state of each prompt's last row, [len(lens), H], in as many runs as `groups` needs
+        (`computed` as `run`'s); None when a prompt does not fit one."""
+        computed = list(computed) or [0] * len(lens)
+        groups = self.groups(lens, computed)
         if groups is None:
             return None
         starts = list(itertools.accumulate(lens, initial=0))
@@ -121,7 +122,8 @@ class PrefillGraphRunner:
         for a, b in groups:
             lo, hi = starts[a], starts[b]
             last = to_device([starts[i + 1] - 1 - lo for i in range(a, b)], torch.long, embeds.device)
-            hidden = self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b])[0]
+            hidden = self.run(embeds[lo:hi], positions[..., lo:hi], lens[a:b], tables[a:b],
+                              computed=computed[a:b])[0]
             out.append(hidden.index_select(0, last))
         return torch.cat(out)
 

@@ -17,6 +17,8 @@ from torch import nn
 
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, multimodal_mask, user_mask
 
+ASSISTANT_ROWS = 9  # a prompt's rows after its user turns (the layout above)
+
 
 def assistant_start(prompt_ids: torch.Tensor, tokens: TalkerTokens) -> int:
     """Index of the last `<|im_start|>assistant` of the prompt with its 3 head rows (`\\n` the third)."""

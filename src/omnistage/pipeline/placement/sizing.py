@@ -27,6 +27,7 @@ import torch
 from omnistage.config import StageConfig
 from omnistage.layers.attention import Attention
 from omnistage.models.qwen3_omni.model import quantize_stage, stage_module
+from omnistage.models.qwen3_omni.talker_prompt_rows import ASSISTANT_ROWS
 from omnistage.pipeline.placement.memory import (DeviceMemory, MemoryBudgetError, StageMemory, budget,
                                                  check_weights, gib, kv_summary, min_blocks, plan_kv,
                                                  profiling_oom, relative_shares)
@@ -38,7 +39,7 @@ logger = logging.getLogger(__name__)
 Key = tuple[str, int]  # (stage, replica)
 MakeStage = Callable[[str, int, torch.nn.Module, int], Any]  # a stage built (and captured) with its KV blocks
 NOMINAL_CPU_MEMORY = 8 << 30
-TALKER_PROMPT_ROWS = 9  # assistant rows of a talker prompt besides the user's turns (orchestrator's check)
+TALKER_PROMPT_ROWS = ASSISTANT_ROWS  # a talker prompt's rows besides the user's turns (orchestrator's check)
 
 
 def device_memory(device: torch.device) -> DeviceMemory | None:

@@ -1,5 +1,5 @@
 """The talker's frame step on a flat batch: decodes replay the runner's graph; prefills run a forward
-(fresh prompts through the prefill graphs, in as many runs as they need) plus the runner's head graph;
+(through the prefill graphs, in as many runs as they need) plus the runner's head graph;
 everything eagerly without a runner (or past its largest bucket)."""
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ class TalkerFrameStep:
 
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden;
-        fresh prompts alone through the prefill graphs (in as many runs as they need)."""
+        through the prefill graphs where they take it (in as many runs as it needs)."""
         positions = flat_positions(list(zip(fb.num_computed, fb.lens)), fb.mropes, self.device)
-        if (self.prefill is not None and max(fb.num_computed) == 0
-                and (out := self.prefill.run_last(fb.inputs, positions, fb.lens, fb.tables)) is not None):
+        if self.prefill is not None and (
+                out := self.prefill.run_last(fb.inputs, positions, fb.lens, fb.tables, fb.num_computed)) is not None:
             return out
         last = to_device(fb.lens, torch.long, self.device).cumsum(0) - 1
         ctx = build_context(fb.num_computed, fb.lens, fb.tables, self.blocks.block_size, self.device)

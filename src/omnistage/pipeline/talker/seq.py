@@ -24,6 +24,9 @@ class TalkerSeq:
     frames: int = 0  # frames launched (with asynchronous output, one step ahead of those delivered)
     emitted: int = 0  # frames delivered to code2wav
     num_computed: int = 0
+    prefilled: bool = False  # its prompt rows launched
+    block_hashes: list[bytes] | None = None  # its user rows' prefix-cache keys, until registered (prefix.py)
+    cached_blocks: int = -1  # blocks taken from the prefix cache (-1: not looked up yet)
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
     mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
     slot: int = -1  # its row of the stage's `PenaltyTable` (generated codebook-0 codes) once admitted

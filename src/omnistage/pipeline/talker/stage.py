@@ -15,12 +15,18 @@ from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
-from omnistage.models.qwen3_omni.talker_prompt_rows import PromptSource, prompt_embeds_batch, prompt_source
+from omnistage.models.qwen3_omni.talker_prompt_rows import (
+    ASSISTANT_ROWS,
+    PromptSource,
+    prompt_embeds_batch,
+    prompt_source,
+)
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults, together
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.talker.frame_step import TalkerFrameStep
+from omnistage.pipeline.talker.prefix import prompt_hashes, register_prefix, take_prefix
 from omnistage.pipeline.talker.runner import TalkerGraphRunner
 from omnistage.pipeline.talker.seq import Launched, TalkerSeq, frame_batch
 
@@ -33,12 +39,13 @@ class TalkerStage(AsyncOutputStep):
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False,
                  graph_batch_sizes: Sequence[int] = (), prefill_tokens: Sequence[int] = (),
-                 async_output: bool = False) -> None:
+                 async_output: bool = False, prefix_caching: bool = False, prefill_context_ratio: int = 0) -> None:
         """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere), prefills as a forward (through `PrefillGraphRunner` at its `prefill_tokens` buckets when
-        given and the prompts fit, else eagerly) plus its head graph; one KV block is then reserved for
-        padding rows."""
+        given and the prompts fit, rows past cached ones there too with `prefill_context_ratio`, else
+        eagerly) plus its head graph; one KV block is then reserved for padding rows. `prefix_caching`: the
+        prompts' user-turn rows are cached (talker/prefix.py)."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = talker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -56,7 +63,9 @@ class TalkerStage(AsyncOutputStep):
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = TalkerGraphRunner(talker, sizes, max_batch_size, self.blocks.num_blocks, block_size,
                                             scratch, self.penalties)
-            self.prefill = prefill_runner(talker.model, prefill_tokens, max_batch_size, block_size, scratch)
+            self.prefill = prefill_runner(talker.model, prefill_tokens, max_batch_size, block_size, scratch,
+                                          context_ratio=prefill_context_ratio)
+        self.prefix_caching = prefix_caching
         self.frame_step = TalkerFrameStep(talker, self.blocks, self.penalties, self.runner, self.prefill)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.seqs: dict[str, TalkerSeq] = {}
@@ -65,7 +74,8 @@ class TalkerStage(AsyncOutputStep):
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
-        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats())
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(),
+                    prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits)
 
     def add(self, chunk: TextChunk) -> None:
         self.inbox.put(chunk)
@@ -121,6 +131,9 @@ class TalkerStage(AsyncOutputStep):
         req = chunk.request
         rows = prompt_embeds_batch(self.talker, self.tokens, [source])[0] if rows is None else rows
         seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, chunk.prompt.prompt_ids, req.prompt))
+        if self.prefix_caching:
+            seq.block_hashes = prompt_hashes(chunk.prompt.prompt_ids, req.prompt, self.tokens,
+                                             self.blocks.block_size, chunk.prompt.mm_hidden is not None)
         self.seqs[req.request_id] = seq
         self.waiting.append(seq)
 
@@ -128,6 +141,7 @@ class TalkerStage(AsyncOutputStep):
         self._receive()
         while self.waiting:
             seq = self.waiting[0]
+            take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
             need = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
             if not (self.penalties.num_free and self.blocks.can_allocate(seq.req.request_id, need)):
                 break
@@ -139,8 +153,8 @@ class TalkerStage(AsyncOutputStep):
             if (seq in self.waiting or len(batch) + len(decodes) >= self.max_batch_size
                     or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
                 continue
-            if seq.num_computed == 0:
-                batch.append((seq, seq.prompt_rows))
+            if not seq.prefilled:
+                batch.append((seq, seq.prompt_rows[seq.num_computed:]))
             elif (text := seq.next_text()) is not None:
                 decodes.append((seq, text))
         self.step_requests = [s.req for s, _ in batch] + [s.req for s, _ in decodes]
@@ -155,7 +169,7 @@ class TalkerStage(AsyncOutputStep):
 
     def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched:
         # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
-        groups = ([[e for e in batch if e[0].num_computed == 0], [e for e in batch if e[0].num_computed > 0]]
+        groups = ([[e for e in batch if not e[0].prefilled], [e for e in batch if e[0].prefilled]]
                   if self.runner else [batch])
         runs = []
         for group in filter(None, groups):
@@ -165,6 +179,9 @@ class TalkerStage(AsyncOutputStep):
                 seq.num_computed += fb.lens[i]
                 seq.frames += 1
                 seq.codec_embed = codec_embeds[i]
+                if not seq.prefilled:
+                    seq.prefilled = True
+                    register_prefix(self.blocks, seq)
             runs.append((group, frames))
         return Launched.of(runs)
 
