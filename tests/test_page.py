@@ -65,7 +65,7 @@ def test_page_talks_to_the_model(servers, tmp_path):
             sync_api.expect(page.locator("#chip")).to_contain_text("red.png")
             page.evaluate(f"omni.session = {{max_output_tokens: 4, max_audio_frames: {FRAMES}, seed: 0}}")
             page.click("#start")
-            page.wait_for_function("(omni.events['response.done'] || 0) >= 2", timeout=40_000)
+            wait_for(page, "(omni.events['response.done'] || 0) >= 2", 40_000)
             vad_turn = page.evaluate("omni.lastTurn")
             chip_hidden = page.is_hidden("#chip")  # the first turn took the image
             page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)  # all heard
@@ -74,7 +74,7 @@ def test_page_talks_to_the_model(servers, tmp_path):
             page.keyboard.down("Space")
             page.wait_for_timeout(600)
             page.keyboard.up("Space")
-            page.wait_for_function("(omni.events['response.done'] || 0) >= 3", timeout=20_000)
+            wait_for(page, "(omni.events['response.done'] || 0) >= 3", 20_000)
             page.wait_for_function("omni.played + omni.dropped === omni.samples", timeout=10_000)
             page.wait_for_function(TRANSCRIPT, timeout=10_000)
             omni = page.evaluate("omni")
@@ -127,6 +127,18 @@ def test_page_talks_to_the_model(servers, tmp_path):
     assert ptt["vad_to_first_audio_ms"] is None and ptt["first_audio_ms"] > 0 and ptt["rtf"] > 0, ptt
     assert server_text.startswith("Server, last turn: response.created → first audio ")
     assert " RTF " in server_text
+
+
+def wait_for(page, condition: str, timeout_ms: int) -> None:
+    """`page.wait_for_function`, failing with the page's events so far (what the turns got to)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(condition, timeout=timeout_ms)
+    except PlaywrightTimeout:
+        raise AssertionError(f"{condition} not within {timeout_ms} ms; events: "
+                             f"{page.evaluate('JSON.stringify(omni.events)')}, errors: "
+                             f"{page.evaluate('JSON.stringify(omni.errors)')}") from None
 
 
 def count_audio(payload: str | bytes, received: dict[str, int]) -> None:
