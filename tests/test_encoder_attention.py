@@ -28,6 +28,14 @@ VISION = dict(depth=4, hidden_size=288, intermediate_size=576, num_heads=4, in_c
               deepstack_visual_indexes=[1, 2, 3])
 
 
+def seeded(build, config: dict, device: str) -> torch.nn.Module:
+    """`build(config)` on `device` with seed 0, in float32 on the CPU and bfloat16 elsewhere, eval mode."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        module = build(config)
+    return module.to(torch.float32 if device == "cpu" else torch.bfloat16).eval()
+
+
 def _pair(device: str, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):

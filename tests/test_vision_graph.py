@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_encoder_attention import VISION
+from test_encoder_attention import VISION, seeded
 
 from omnistage.models.qwen3_omni.encoders import build_visual, encode_visual
 from omnistage.pipeline.thinker.vision_graph import VisionGraphRunner
@@ -15,10 +15,7 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 
 
 def _visual(device: str) -> torch.nn.Module:
-    torch.manual_seed(0)
-    with torch.device(device):
-        visual = build_visual(VISION)
-    return visual.to(torch.float32 if device == "cpu" else torch.bfloat16).eval()
+    return seeded(build_visual, VISION, device)
 
 
 def _pixels(grids: list[list[int]], seed: int) -> torch.Tensor:

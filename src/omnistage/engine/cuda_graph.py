@@ -22,7 +22,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Hashable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,11 +33,24 @@ logger = logging.getLogger(__name__)
 # allocator's cache, which invalidates a capture another stage's thread has in flight (seen on the H200
 # when the talker and code2wav captured at once: cudaErrorStreamCaptureInvalidated).
 _CAPTURE_LOCK = threading.Lock()
+T = TypeVar("T")
 
 
 def batch_bucket(rows: int, sizes: Sequence[int]) -> int | None:
     """The smallest of `sizes` (ascending) that holds `rows`; None when none does."""
     return next((s for s in sizes if s >= rows), None)
+
+
+def fit_runs(items: Sequence[T], fits: Callable[[list[T]], bool]) -> list[list[int]]:
+    """Consecutive items in runs (their indices), each run within `fits`; an item that does not fit alone is a
+    run of its own."""
+    out: list[list[int]] = []
+    for i, item in enumerate(items):
+        if out and fits([items[j] for j in out[-1]] + [item]):
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
 
 
 def width_bucket(need: int, max_width: int, minimum: int = 1) -> int:

@@ -49,6 +49,26 @@ def _layer(layer: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int) ->
     return h
 
 
+def conv_rows(tower: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Padded chunks `[C, 1, mels, frames]` -> their rows after the convs, positions added `[C, t, d_model]`."""
+    parts = []
+    for part in x.split(tower.conv_chunksize, dim=0):
+        for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3):
+            part = F.gelu(conv(part))
+        parts.append(part)
+    x = torch.cat(parts, dim=0)
+    b, c, f, t = x.size()
+    x = tower.conv_out(x.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
+    return x + tower.positional_embedding.positional_embedding[:t].unsqueeze(0).to(x.dtype)
+
+
+def encode_rows(tower: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: int) -> torch.Tensor:
+    """The attention layers over rows `h` in windows `cu` (int32 offsets, on h's device), then the projection."""
+    for layer in tower.layers:
+        h = _layer(layer, h, cu, longest)
+    return tower.proj2(tower.act(tower.proj1(tower.ln_post(h))))
+
+
 def audio_forward(tower: nn.Module, features: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """Clips' log-mel frames `[mels, sum(lens)]` (concatenated) -> audio token rows `[N, output_dim]`."""
     chunks, valid, windows = _layout(lens, tower.n_window, tower.n_window_infer)
@@ -57,19 +77,8 @@ def audio_forward(tower: nn.Module, features: torch.Tensor, lens: list[int]) -> 
     live = x.shape[0]
     if triton_ops.fast_path(x):  # NOTE: a new chunk count cost ~15 ms on its first call (H200): 2^k chunks
         x = F.pad(x, (0, 0, 0, 0, 0, 0, 0, (1 << (live - 1).bit_length()) - live))
-    parts = []
-    for part in x.split(tower.conv_chunksize, dim=0):
-        for conv in (tower.conv2d1, tower.conv2d2, tower.conv2d3):
-            part = F.gelu(conv(part))
-        parts.append(part)
-    x = torch.cat(parts, dim=0)[:live]
-    b, c, f, t = x.size()
-    x = tower.conv_out(x.permute(0, 3, 1, 2).contiguous().view(b, t, c * f))
-    x = x + tower.positional_embedding.positional_embedding[:t].unsqueeze(0).to(x.dtype)
+    x = conv_rows(tower, x)[:live]
     index = torch.tensor(valid).to(x.device, non_blocking=True)
     h = torch.index_select(x.reshape(-1, x.shape[-1]), 0, index)
     cu = F.pad(torch.tensor(windows, dtype=torch.int32).cumsum(0, dtype=torch.int32), (1, 0))
-    cu = cu.to(x.device, non_blocking=True)
-    for layer in tower.layers:
-        h = _layer(layer, h, cu, max(windows))
-    return tower.proj2(tower.act(tower.proj1(tower.ln_post(h))))
+    return encode_rows(tower, h, cu.to(x.device, non_blocking=True), max(windows))

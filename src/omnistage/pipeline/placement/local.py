@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from omnistage.pipeline.thinker.inputs import warm_encoders
 from omnistage.pipeline.thinker.stage import ThinkerStage
 from omnistage.pipeline.worker import StageWorker
 from omnistage.platform import current_platform
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,8 +62,7 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
         return
     if isinstance(stage, ThinkerStage):
         warm_encoders(stage.thinker, stage.device, stage.dtype)
-        if stage.vision is not None:
-            stage.vision.capture()
+        _capture_encoders(stage)
     if isinstance(stage, Code2WavStage):
         stage.runner.capture()
         return
@@ -68,6 +70,18 @@ def capture(stage: ThinkerStage | TalkerStage | Code2WavStage, sc: StageConfig) 
         stage.runner.capture(sc.cuda_graph_capture_widths)
     if stage.prefill is not None:
         stage.prefill.capture(with_capture_layer=isinstance(stage, ThinkerStage))
+
+
+def _capture_encoders(stage: ThinkerStage) -> None:
+    """The encoders' graphs; one that fails to capture is dropped (its encoder then runs eagerly: slower, not down)."""
+    for name in ("vision", "audio"):
+        if getattr(stage, name) is None:
+            continue
+        try:
+            getattr(stage, name).capture()
+        except RuntimeError:
+            logger.warning("the %s encoder's CUDA graphs failed to capture; it runs eagerly", name, exc_info=True)
+            setattr(stage, name, None)
 
 
 def replica_names(p: Placement) -> list[tuple[str, int, str]]:

@@ -17,6 +17,7 @@ from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import RopeSpec, audio_token_count, mrope_positions
 from omnistage.pipeline.faults import together
+from omnistage.pipeline.thinker.audio_graph import AudioGraphRunner
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache, join_visual, split_visual
 from omnistage.pipeline.thinker.seq import ThinkerSeq
 from omnistage.pipeline.thinker.vision_graph import VisionGraphRunner
@@ -31,9 +32,23 @@ def _cached(cache: EncoderCache | None, keys: list[bytes | None]) -> list[Any]:
     return [cache.get(k) if cache is not None else None for k in keys]
 
 
+def _audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[int], device: torch.device,
+                dtype: torch.dtype, audio: AudioGraphRunner | None) -> torch.Tensor:
+    """The clips' rows: one eager audio-tower call, or runs of `audio` (a clip too long for one eagerly)."""
+    if audio is None:
+        return audio_forward(tower, torch.cat(feats, dim=1).to(device, dtype, non_blocking=True), lens)
+    parts = []
+    for run in audio.groups(lens):
+        x, n = torch.cat([feats[j] for j in run], dim=1), [lens[j] for j in run]
+        parts.append(audio.run(x, n) if audio.fits(n) else audio_forward(tower, x.to(device, dtype), n))
+    return torch.cat(parts)
+
+
 def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                  dtype: torch.dtype, cache: EncoderCache | None) -> list[torch.Tensor | None]:
-    """Audio token rows per prompt (None without audio): the audios no cache holds in one audio-tower call."""
+                  dtype: torch.dtype, cache: EncoderCache | None,
+                  audio: AudioGraphRunner | None = None) -> list[torch.Tensor | None]:
+    """Audio token rows per prompt (None without audio): the audios no cache holds in one audio-tower call
+    (in runs of `audio`'s graphs where given)."""
     items = [(j, f[:, :n], n) for j, p in enumerate(prompts) if p.input_features is not None
              for f, n in zip(p.input_features, p.audio_feature_lens)]
     if not items:
@@ -43,9 +58,8 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     rows = _cached(cache, keys)
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
-        feats = torch.cat([items[i][1] for i in todo], dim=1)
-        out = audio_forward(thinker.audio_tower, feats.to(device, dtype, non_blocking=True),
-                            [items[i][2] for i in todo])
+        out = _audio_rows(thinker.audio_tower, [items[i][1] for i in todo], [items[i][2] for i in todo], device,
+                          dtype, audio)
         n_window = thinker.audio_tower.config.n_window
         for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
             rows[i] = r
@@ -95,11 +109,12 @@ Media = tuple[torch.Tensor | None, VisualEmbeds | None, VisualEmbeds | None]  # 
 
 
 def encode_media(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                 dtype: torch.dtype, cache: EncoderCache | None = None,
-                 vision: VisionGraphRunner | None = None) -> list[Media]:
+                 dtype: torch.dtype, cache: EncoderCache | None = None, vision: VisionGraphRunner | None = None,
+                 audio: AudioGraphRunner | None = None) -> list[Media]:
     """Encoder rows of each prompt; each kind of media of all prompts in one encoder call (what `cache`
-    holds is not encoded again; images and videos in runs of `vision`'s graphs where given)."""
-    audios = _encode_audio(thinker, prompts, device, dtype, cache)
+    holds is not encoded again; images and videos in runs of `vision`'s graphs, audio in `audio`'s, where
+    given)."""
+    audios = _encode_audio(thinker, prompts, device, dtype, cache, audio)
     images = _encode_visual(thinker, [p.pixel_values for p in prompts], [p.image_grid_thw for p in prompts],
                             [_keys(p, "images", _count(p.image_grid_thw)) for p in prompts], device, cache, vision)
     videos = _encode_visual(thinker, [p.pixel_values_videos for p in prompts], [p.video_grid_thw for p in prompts],
@@ -128,11 +143,12 @@ def _count(grids: torch.Tensor | None) -> int:
 
 
 def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
-                    dtype: torch.dtype, cache: EncoderCache | None = None,
-                    vision: VisionGraphRunner | None = None) -> list[Media] | None:
+                    dtype: torch.dtype, cache: EncoderCache | None = None, vision: VisionGraphRunner | None = None,
+                    audio: AudioGraphRunner | None = None) -> list[Media] | None:
     """`encode_media` for several prompts at once; None for a single prompt or when it fails (each
     request is then encoded alone, so that only the one at fault fails)."""
-    return together(encode_media, thinker, prompts, device, dtype, cache, vision) if len(prompts) > 1 else None
+    return together(encode_media, thinker, prompts, device, dtype, cache, vision, audio) if len(prompts) > 1 \
+        else None
 
 
 def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:

@@ -20,13 +20,14 @@ from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
+from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.growth import PromptPiece, extend
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
-from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
+from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 from omnistage.pipeline.thinker.vision_graph import VISION_FRAMES, VISION_ROWS, VisionGraphRunner
 
@@ -44,7 +45,7 @@ class ThinkerStage(AsyncOutputStep):
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
         `prefill_context_ratio`, others eagerly; one KV block is then reserved for padding rows; images and
-        videos through `VisionGraphRunner`.
+        videos through `VisionGraphRunner`, audio through `AudioGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks."""
@@ -57,10 +58,12 @@ class ThinkerStage(AsyncOutputStep):
         self.runner: ThinkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
         self.vision: VisionGraphRunner | None = None
+        self.audio: AudioGraphRunner | None = None
         if cuda_graph:
             # NOTE: the encoders' reference attention syncs (per-sequence lengths): no graphs without the fast path
-            self.vision = VisionGraphRunner(thinker.visual, VISION_ROWS, VISION_FRAMES, self.device) \
-                if triton_ops.ENABLED else None
+            if triton_ops.ENABLED:
+                self.vision = VisionGraphRunner(thinker.visual, VISION_ROWS, VISION_FRAMES, self.device)
+                self.audio = AudioGraphRunner(thinker.audio_tower, AUDIO_CHUNKS, self.device)
             scratch = self.blocks.reserve()
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
             self.runner = ThinkerGraphRunner(thinker, sizes, self.blocks.num_blocks, block_size, scratch,
@@ -105,7 +108,7 @@ class ThinkerStage(AsyncOutputStep):
     def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
         """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
         media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache,
-                                      self.vision)[0]
+                                      self.vision, self.audio)[0]
         seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
         req.mark("encoded")
         seq.open = req.growing
@@ -130,7 +133,7 @@ class ThinkerStage(AsyncOutputStep):
         items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
         media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache,
-                                self.vision)
+                                self.vision, self.audio)
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)

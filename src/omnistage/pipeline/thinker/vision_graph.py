@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
+from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, fit_runs
 from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.vision_encoder import vision_blocks, vision_layout
 
@@ -49,13 +49,7 @@ class VisionGraphRunner:
     def groups(self, grids: Sequence[Grid]) -> list[list[int]]:
         """Consecutive items in runs (a run's item indices), each within `fits`; an item that does not fit
         alone is a run of its own (`run` does not take it: the caller encodes it eagerly)."""
-        out: list[list[int]] = []
-        for i, g in enumerate(grids):
-            if out and self.fits([grids[j] for j in out[-1]] + [g]):
-                out[-1].append(i)
-            else:
-                out.append([i])
-        return out
+        return fit_runs(grids, self.fits)
 
     def capture(self) -> None:
         """Every bucket's graph now (on CUDA), largest first."""
