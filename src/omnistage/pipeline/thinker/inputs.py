@@ -40,7 +40,8 @@ def _audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[in
     parts = []
     for run in audio.groups(lens):
         x, n = torch.cat([feats[j] for j in run], dim=1), [lens[j] for j in run]
-        parts.append(audio.run(x, n) if audio.fits(n) else audio_forward(tower, x.to(device, dtype), n))
+        parts.append(audio.run(x, n) if audio.fits(n) else
+                     audio_forward(tower, x.to(device, dtype, non_blocking=True), n))
     return torch.cat(parts)
 
 
