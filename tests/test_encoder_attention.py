@@ -95,12 +95,12 @@ def test_packed_attention_flash_within_bf16_on_cuda():
 def test_audio_layout_is_transformers(frames):
     from transformers.models.qwen3_omni_moe import modeling_qwen3_omni_moe as hf
 
-    from omnistage.models.qwen3_omni.audio_encoder import _layout
+    from omnistage.models.qwen3_omni.audio_encoder import audio_layout
 
     if not hasattr(hf, "get_audio_cu_seqlens"):
         pytest.skip("this transformers computes the layout inside the forward (the parity test above covers it)")
     lens = torch.tensor([frames, 130])
-    chunks, valid, windows = _layout(lens.tolist(), 50, 800)
+    chunks, valid, windows = audio_layout(lens.tolist(), 50, 800)
     ref_chunks = hf.chunk_and_pad_features(torch.zeros(1, int(lens.sum())), lens, 50)[1]
     assert chunks == ref_chunks.tolist()
     assert valid == hf.get_valid_indices(ref_chunks, 50).tolist()

@@ -18,13 +18,16 @@ from omnistage.models.qwen3_omni.encoder_attention import packed_attention
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
 
 
-def _layout(lens: list[int], n_window: int, n_window_infer: int) -> tuple[list[int], list[int], list[int]]:
+def audio_layout(lens: list[int], n_window: int, n_window_infer: int,
+                 width: int | None = None) -> tuple[list[int], list[int], list[int]]:
     """Chunk lengths (frames), the flat indices of the chunks' valid rows after the convs, and the attention
-    windows' lengths (rows), for clips of `lens` frames."""
+    windows' lengths (rows), for clips of `lens` frames; `width`: each chunk's rows after the convs (default
+    the longest chunk's, as transformers pads them; a full chunk's, as `AudioGraphRunner` does, gives the same
+    windows, since only a clip of one chunk can have no full chunk and it is one window either way)."""
     chunk = n_window * 2
     chunks = [c for n in lens for c in [chunk] * (n // chunk) + ([n % chunk] if n % chunk else [])]
-    after = np.array([audio_token_count(c, n_window) for c in chunks])
-    width = int(after.max())
+    after = np.array([audio_token_count(c, n_window) for c in chunks], dtype=np.int64)
+    width = int(after.max()) if width is None else width
     valid = np.flatnonzero(np.arange(width)[None] < after[:, None]).tolist()
     window = width * (n_window_infer // chunk)
     windows = []
@@ -71,7 +74,7 @@ def encode_rows(tower: nn.Module, h: torch.Tensor, cu: torch.Tensor, longest: in
 
 def audio_forward(tower: nn.Module, features: torch.Tensor, lens: list[int]) -> torch.Tensor:
     """Clips' log-mel frames `[mels, sum(lens)]` (concatenated) -> audio token rows `[N, output_dim]`."""
-    chunks, valid, windows = _layout(lens, tower.n_window, tower.n_window_infer)
+    chunks, valid, windows = audio_layout(lens, tower.n_window, tower.n_window_infer)
     padded = nn.utils.rnn.pad_sequence(features.T.split(chunks), batch_first=True).transpose(1, 2)
     x = padded.unsqueeze(1).to(tower.conv2d1.weight.dtype)
     live = x.shape[0]

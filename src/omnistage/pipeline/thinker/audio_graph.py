@@ -1,7 +1,7 @@
 """The audio tower on static buffers: one CUDA graph per chunk bucket (2^k chunks of 100 mel frames), all
 captured at start; the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
-Eagerly, one call launches ~20 kernels per layer from Python (32 layers at full size), and every new clip length
+Eagerly, one call launches every layer's kernels from Python (32 layers at full size), and every new clip length
 costs more the first time (`scripts/encoder_bench.py --new-shapes`: 22-50 ms against 8 on the H200). A run holds up
 to max(buckets) chunks, each padded to 100 frames with zeros (what the convs see past a short chunk either way:
 their own zero padding). The rows past the clips' (short chunks' tails, padding chunks) form one padding window
@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, fit_runs
-from omnistage.models.qwen3_omni.audio_encoder import _layout, conv_rows, encode_rows
+from omnistage.models.qwen3_omni.audio_encoder import audio_layout, conv_rows, encode_rows
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
 
 AUDIO_CHUNKS = (1, 2, 4, 8, 16, 32, 64)  # a 2.4 s question is 3 chunks; 64 chunks 64 s of audio
@@ -69,15 +69,14 @@ class AudioGraphRunner:
 
     def _load(self, b: int, features: torch.Tensor | None, lens: list[int]) -> int:
         """The run's chunks, row index and windows into the buffers; its live rows."""
-        chunks, _, windows = _layout(lens, self.tower.n_window, self.tower.n_window_infer) if lens else ([], [], [])
+        rows = self.rows
+        chunks, valid, windows = audio_layout(lens, self.tower.n_window, self.tower.n_window_infer, rows)
         if chunks:
             padded = nn.utils.rnn.pad_sequence(features.T.split(chunks), batch_first=True)  # [C, frames, mels]
             padded = F.pad(padded, (0, 0, 0, self.chunk - padded.shape[1])).transpose(1, 2)
             # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
             self.chunks[:len(chunks), 0].copy_(padded, non_blocking=True)
         self.chunks[len(chunks):b].zero_()
-        n_window, rows = self.tower.n_window, self.rows
-        valid = [k * rows + r for k, c in enumerate(chunks) for r in range(audio_token_count(c, n_window))]
         live = len(valid)
         self.index[:b * rows].copy_(torch.tensor(valid + [0] * (b * rows - live)), non_blocking=True)
         seqs = [0, *windows, b * rows - live] + [0] * (b - len(windows))

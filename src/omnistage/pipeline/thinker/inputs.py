@@ -35,12 +35,10 @@ def _cached(cache: EncoderCache | None, keys: list[bytes | None]) -> list[Any]:
 def _audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[int], device: torch.device,
                 dtype: torch.dtype, audio: AudioGraphRunner | None) -> torch.Tensor:
     """The clips' rows: one eager audio-tower call, or runs of `audio` (a clip too long for one eagerly)."""
-    if audio is None:
-        return audio_forward(tower, torch.cat(feats, dim=1).to(device, dtype, non_blocking=True), lens)
     parts = []
-    for run in audio.groups(lens):
+    for run in audio.groups(lens) if audio is not None else [range(len(lens))]:
         x, n = torch.cat([feats[j] for j in run], dim=1), [lens[j] for j in run]
-        parts.append(audio.run(x, n) if audio.fits(n) else
+        parts.append(audio.run(x, n) if audio is not None and audio.fits(n) else
                      audio_forward(tower, x.to(device, dtype, non_blocking=True), n))
     return torch.cat(parts)
 
