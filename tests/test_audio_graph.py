@@ -84,3 +84,25 @@ def test_an_encoder_whose_graphs_fail_to_capture_runs_eagerly(caplog: pytest.Log
     _capture_encoders(stage)
     assert stage.vision is vision and captured == ["vision"] and stage.audio is None
     assert "the audio encoder's CUDA graphs failed to capture" in caplog.text
+
+
+@torch.no_grad()
+def test_growing_prompts_pieces_through_the_runner_equal_them_alone() -> None:
+    """A streamed turn's pieces (thinker/growth.py) arriving together are encoded in runs of the graphs; each
+    piece's rows equal its own eager call's (what `extend` does without the runner)."""
+    from test_multimodal_inputs import thinker_module
+
+    from omnistage.pipeline.thinker.growth import PromptPiece, piece_rows
+
+    thinker, cpu = thinker_module("tiny"), torch.device("cpu")
+    audio = AudioGraphRunner(thinker.audio_tower, (2, 4, 8, 16), cpu)
+    g = torch.Generator().manual_seed(0)
+    window, tail = torch.randn(128, 800, generator=g), torch.randn(128, 950, generator=g)  # 8 and 10 chunks
+    pieces = [PromptPiece(None, 0, [], window), PromptPiece(None, 0, [], None, closed=True),
+              PromptPiece(None, 0, [], tail, skip=104)]
+    ours = piece_rows(thinker, pieces, cpu, torch.float32, audio)
+    assert ours[1] is None and piece_rows(thinker, pieces, cpu, torch.float32, None) == [None] * 3
+    for piece, rows in [(pieces[0], ours[0]), (pieces[2], ours[2])]:
+        ref = thinker.encode_audio(piece.audio[None], torch.ones(1, piece.audio.shape[1], dtype=torch.long))
+        assert rows.shape == ref.shape == (audio_token_count(piece.audio.shape[1], 50), ref.shape[1])
+        torch.testing.assert_close(rows, ref, rtol=0, atol=1e-5)

@@ -137,7 +137,9 @@ def test_louder_end_rewinds_and_stays_exact() -> None:
     out, stream, sent, _ = streamed(user(), audio)
     assert_same(out, whole(user(), audio))
     prefix = len(stream.prefix.input_ids)
-    assert sent[-1].keep == prefix and sent[-1].audio.shape[1] == 1750  # re-encoded from the first window
+    # both windows sent again as the louder audio came, while "speaking"; close sends only the tail
+    assert any(p.keep == prefix and len(p.input_ids) == 208 and not p.closed for p in sent[2:])
+    assert sent[-1].keep == prefix + 208 and sent[-1].audio.shape[1] == 150
 
 
 def test_rising_maximum_while_speaking_rewinds_early() -> None:
@@ -146,8 +148,9 @@ def test_rising_maximum_while_speaking_rewinds_early() -> None:
     out, stream, sent, _ = streamed(user(), audio)
     assert_same(out, whole(user(), audio))
     prefix = len(stream.prefix.input_ids)
-    assert [(p.keep, len(p.input_ids), p.closed) for p in sent] == [
-        (prefix, 104, False), (prefix, 208, False), (prefix + 208, 26, True)]
+    shape = [(p.keep, len(p.input_ids), p.closed) for p in sent]
+    assert shape[0] == (prefix, 104, False) and shape[-2:] == [(prefix + 104, 104, False), (prefix + 208, 26, True)]
+    assert set(shape[1:-2]) == {(prefix, 104, False)}  # the first window again as the louder audio came
 
 
 def history(samples: int) -> list[dict]:
@@ -161,6 +164,22 @@ def test_earlier_audio_in_the_prompt(earlier: int) -> None:
     assert_same(out, whole(history(earlier), speech()[:9 * 16000]))
     prefix = len(stream.prefix.input_ids)
     assert prefilled == prefix + 104 and sent[-1].keep == prefix + 104 and not sent[-1].restart
+
+
+def test_streamed_turn_shares_the_prefix_cache() -> None:
+    """An open request takes its history from the prefix cache (its prefix is fixed at open) and, once
+    closed, leaves its whole prompt there for the next turn, as an ordinary request does."""
+    blocks, audio, bs = omni().engine.thinker.blocks, speech()[:9 * 16000], 16
+    first = [{"role": "system", "content": "You share prefixes. " * 6}, {"role": "user", "content": "Hi there."}]
+    n_first = omni().chat(first, sampling=SAMPLING, talker_sampling=TALKER).usage.prompt_tokens
+    later = [*first, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
+    hits = blocks.hits
+    out, _, _, _ = streamed(later, audio)
+    assert blocks.hits - hits == bs * (n_first // bs)
+    hits = blocks.hits
+    want = whole(later, audio)
+    assert_same(out, want)
+    assert blocks.hits - hits == bs * ((want.usage.prompt_tokens - 1) // bs)
 
 
 def test_turn_shorter_than_a_conv_chunk_restarts() -> None:

@@ -36,7 +36,7 @@ class _Seq:
 
     @property
     def in_prefill(self) -> bool:
-        return self.num_computed < self.prompt_len
+        return self.open or self.num_computed < self.prompt_len
 
     @property
     def rows_ready(self) -> int:
@@ -71,3 +71,12 @@ def test_prompts_past_cached_rows_share_a_step_within_one_runs_context(max_conte
 def test_a_prompt_past_more_cached_rows_than_a_run_reads_still_runs_alone() -> None:
     # its step goes eagerly, but it goes: the first prefill chunk of a step is never held back
     assert _steps(100, [_Seq("a", 300, 280), _Seq("b", 5, 0)], 2) == [[("a", 20)], [("a", 1), ("b", 5)]]
+
+
+def test_an_open_prompt_with_no_rows_ready_holds_back_no_other_prefill() -> None:
+    """A streamed prompt waiting for more audio (open, its rows all computed, many of them) takes no part in
+    the step: the prefills after it still share it."""
+    sched = ThinkerScheduler(BlockManager(128, 4), PenaltyTable(4, 8, "cpu"), max_batch_size=4, token_budget=64,
+                             graph_tokens=64, max_context=64)
+    sched.running.extend([_Seq("a", 40, 8), _Seq("open", 60, 60, open=True), _Seq("b", 40, 8)])
+    assert [(s.name, k) for s, k in sched.schedule()] == [("a", 32), ("b", 32)]

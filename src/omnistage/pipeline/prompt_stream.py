@@ -21,11 +21,13 @@ import torch
 
 from omnistage.engine.request import Request
 from omnistage.media import to_conversation
+from omnistage.models.qwen3_omni.media_keys import media_keys
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
 from omnistage.pipeline.thinker.growth import PromptPiece
 
 Messages = list[dict[str, Any]]
+CHECK_SAMPLES = 1600  # 100 ms at 16 kHz: how often new audio is looked at for a louder frame
 
 
 def with_audio(messages: Messages, audio: np.ndarray) -> Messages:
@@ -62,6 +64,8 @@ class PromptStream:
         self.pcm: list[np.ndarray] = []
         self.samples = 0
         self.sent: list[torch.Tensor] = []  # features of each window the thinker has, in order
+        self.peak = float("inf")  # the largest feature when they were last made (the floor is 8 below it)
+        self.looked = 0  # samples when the audio was last looked at for a louder frame
         self.closed = False
 
     @property
@@ -79,10 +83,22 @@ class PromptStream:
         # clip's reflection, so it is final only once they have arrived.
         hop = self.fe.hop_length
         final = min(self.samples // hop, max(0, (self.samples - self.fe.n_fft // 2) // hop + 1))
-        if self.prefix is None or final // self.window <= len(self.sent):
+        if self.prefix is None or (final // self.window <= len(self.sent) and not self._louder()):
             return
         feats = self.processor.audio_features([self.audio()], cache=False)[0][0]  # NOTE: a prefix, not a clip
+        self.peak = float(feats.max())
         self._sync(feats, final // self.window)
+
+    def _louder(self) -> bool:
+        """Whether the audio since the last look may hold a frame above the loudest so far (which sets the
+        floor of the windows sent): then they are checked now, while the user speaks, rather than at close.
+        A guess from the new audio's own features (its edges may differ from the clip's: the check is exact)."""
+        new = self.samples - self.looked
+        if not self.sent or new < CHECK_SAMPLES:
+            return False
+        self.looked = self.samples
+        recent = self.audio()[-(new + self.fe.n_fft):]
+        return float(self.processor.audio_features([recent], cache=False)[0].max()) > self.peak
 
     def audio(self) -> np.ndarray:
         if len(self.pcm) > 1:
@@ -173,10 +189,11 @@ def prefix_prompt(processor: PromptProcessor, prompt: PromptInputs) -> PromptInp
     ids = prompt.input_ids
     cut = len(ids) - ids[::-1].index(pad) - count
     out = copy.copy(prompt)
-    out.input_ids, out.media_keys = ids[:cut], None
+    out.input_ids = ids[:cut]
     out.input_features, out.feature_attention_mask = (
         (None, None) if len(prompt.audio_feature_lens) == 1
         else (prompt.input_features[:-1], prompt.feature_attention_mask[:-1]))
+    out.media_keys = media_keys(out, processor.pad_ids, (), ())  # the earlier audios': its prefix can be cached
     return out
 
 

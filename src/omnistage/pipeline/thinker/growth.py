@@ -11,6 +11,9 @@ import torch
 
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
+from omnistage.models.qwen3_omni.rope_index import audio_token_count
+from omnistage.pipeline.thinker.audio_graph import AudioGraphRunner
+from omnistage.pipeline.thinker.inputs import audio_rows
 from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
@@ -41,15 +44,32 @@ def rewind(seq: ThinkerSeq, keep: int) -> None:
     seq.prompt_ids, seq.embeds, seq.mm_mask = seq.prompt_ids[:keep], seq.embeds[:keep], seq.mm_mask[:keep]
 
 
-def extend(thinker: torch.nn.Module, seq: ThinkerSeq, piece: PromptPiece, tokenizer: Any) -> None:
-    """Rewind to `piece.keep`, then append its rows (embedded with its encoder rows scattered in)."""
+def piece_rows(thinker: torch.nn.Module, pieces: list[PromptPiece], device: torch.device, dtype: torch.dtype,
+               audio: AudioGraphRunner | None) -> list[torch.Tensor | None]:
+    """The pieces' encoder rows (None: none, or to be encoded alone by `extend`): with the audio graphs, all
+    pieces' audio in runs of them, as admission encodes the audios that arrive together. Without them each
+    piece is encoded alone, as before (on the CPU that is the whole clip's encoder call bit for bit)."""
+    feats = [p.audio for p in pieces if p.audio is not None]
+    if audio is None or not feats:
+        return [None] * len(pieces)
+    lens = [f.shape[1] for f in feats]
+    n_window = thinker.audio_tower.config.n_window
+    rows = iter(audio_rows(thinker.audio_tower, feats, lens, device, dtype, audio).split(
+        [audio_token_count(n, n_window) for n in lens]))
+    return [next(rows) if p.audio is not None else None for p in pieces]
+
+
+def extend(thinker: torch.nn.Module, seq: ThinkerSeq, piece: PromptPiece, tokenizer: Any,
+           rows: torch.Tensor | None = None) -> None:
+    """Rewind to `piece.keep`, then append its rows (embedded with its encoder rows scattered in: `rows`, the
+    piece's audio encoded with others', or encoded here)."""
     rewind(seq, piece.keep)
     device, dtype = seq.embeds.device, seq.embeds.dtype
     ids = torch.tensor(piece.input_ids, dtype=seq.prompt_ids.dtype)
-    rows = None
-    if piece.audio is not None:
+    if rows is None and piece.audio is not None:
         feats = piece.audio[None].to(device, dtype, non_blocking=True)
         rows = thinker.encode_audio(feats, torch.ones(feats.shape[::2], dtype=torch.long))
+    if rows is not None:
         rows = rows[piece.skip:]
     embeds, _ = thinker.embed(ids.to(device, non_blocking=True), rows, host_ids=ids)
     mm = ids == thinker.audio_token_id

@@ -32,7 +32,7 @@ def _cached(cache: EncoderCache | None, keys: list[bytes | None]) -> list[Any]:
     return [cache.get(k) if cache is not None else None for k in keys]
 
 
-def _audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[int], device: torch.device,
+def audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[int], device: torch.device,
                 dtype: torch.dtype, audio: AudioGraphRunner | None) -> torch.Tensor:
     """The clips' rows: one eager audio-tower call, or runs of `audio` (a clip too long for one eagerly)."""
     parts = []
@@ -57,7 +57,7 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     rows = _cached(cache, keys)
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
-        out = _audio_rows(thinker.audio_tower, [items[i][1] for i in todo], [items[i][2] for i in todo], device,
+        out = audio_rows(thinker.audio_tower, [items[i][1] for i in todo], [items[i][2] for i in todo], device,
                           dtype, audio)
         n_window = thinker.audio_tower.config.n_window
         for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):

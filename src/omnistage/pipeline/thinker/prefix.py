@@ -13,9 +13,10 @@ from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
 def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
-    """None where no prefix may be shared: a prompt still growing, or media without keys."""
+    """None where no prefix may be shared: media without keys. A growing prompt's (`seq.open`) are those of
+    the rows it has, before the streamed audio: no piece rewinds past them (`prompt_stream.prefix_prompt`)."""
     keys = seq.req.prompt.media_keys
-    if seq.open or (seq.has_mm and keys is None):
+    if seq.has_mm and keys is None:
         return None
     return block_hashes(seq.prompt_ids.tolist(), block_size, keys.spans if keys is not None else ())
 

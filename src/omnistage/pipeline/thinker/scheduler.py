@@ -44,11 +44,11 @@ class ThinkerScheduler:
         batch = [(s, 1) for s in self.running
                  if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
         budget, context = self.token_budget - len(batch), 0
-        for seq in [s for s in self.running if s.in_prefill]:
+        for seq in [s for s in self.running if s.in_prefill and s.rows_ready]:  # an open prompt may have none
             if budget <= 0 or len(batch) >= self.max_batch_size or self._past_context(seq, context, batch):
                 return batch
             n = min(seq.rows_ready, budget)
-            if n > 0 and self.room(seq, n):
+            if self.room(seq, n):
                 batch.append((seq, n))
                 budget, context = budget - n, context + seq.num_computed
         while self.waiting and budget > 0 and len(batch) < self.max_batch_size:

@@ -23,7 +23,7 @@ from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
-from omnistage.pipeline.thinker.growth import PromptPiece, extend
+from omnistage.pipeline.thinker.growth import PromptPiece, extend, piece_rows
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
@@ -116,7 +116,7 @@ class ThinkerStage(AsyncOutputStep):
             seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
         return seq
 
-    def _grow(self, piece: PromptPiece) -> None:
+    def _grow(self, piece: PromptPiece, rows: torch.Tensor | None = None) -> None:
         seq = next((s for s in [*self.waiting, *self.running] if s.req is piece.request), None)
         if seq is None:  # aborted (or failed) meanwhile
             return
@@ -125,7 +125,9 @@ class ThinkerStage(AsyncOutputStep):
             piece.request.growing = False
             self.waiting.append(self._admit(piece.request))
         else:
-            extend(self.thinker, seq, piece, self.tokenizer)
+            extend(self.thinker, seq, piece, self.tokenizer, rows)
+            if piece.closed and self.prefix_caching:  # the whole prompt's blocks are registered at its first token
+                seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
 
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """What arrived admitted (its media through the encoders, all requests' at once), then the scheduler's
@@ -137,9 +139,9 @@ class ThinkerStage(AsyncOutputStep):
         for i, req in enumerate(reqs):
             if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
                 self.waiting.append(seq)
-        for piece in items:
-            if isinstance(piece, PromptPiece) and not piece.request.aborted:
-                self.faults.run(piece.request, self._grow, piece)
+        pieces = [p for p in items if isinstance(p, PromptPiece) and not p.request.aborted]
+        for piece, rows in zip(pieces, piece_rows(self.thinker, pieces, self.device, self.dtype, self.audio)):
+            self.faults.run(piece.request, self._grow, piece, rows)
         return self.scheduler.schedule()
 
     def _tokens(self, batch: list[tuple[ThinkerSeq, int]]) -> int:
