@@ -11,7 +11,6 @@ import torch
 
 from omnistage.engine.detokenizer import IncrementalDetokenizer
 from omnistage.engine.request import Request
-from omnistage.models.qwen3_omni.rope_index import audio_token_count
 from omnistage.pipeline.thinker.audio_graph import AudioGraphRunner
 from omnistage.pipeline.thinker.inputs import audio_rows
 from omnistage.pipeline.thinker.seq import ThinkerSeq
@@ -52,10 +51,7 @@ def piece_rows(thinker: torch.nn.Module, pieces: list[PromptPiece], device: torc
     feats = [p.audio for p in pieces if p.audio is not None]
     if audio is None or not feats:
         return [None] * len(pieces)
-    lens = [f.shape[1] for f in feats]
-    n_window = thinker.audio_tower.config.n_window
-    rows = iter(audio_rows(thinker.audio_tower, feats, lens, device, dtype, audio).split(
-        [audio_token_count(n, n_window) for n in lens]))
+    rows = iter(audio_rows(thinker.audio_tower, feats, [f.shape[1] for f in feats], device, dtype, audio))
     return [next(rows) if p.audio is not None else None for p in pieces]
 
 

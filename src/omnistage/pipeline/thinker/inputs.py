@@ -33,14 +33,14 @@ def _cached(cache: EncoderCache | None, keys: list[bytes | None]) -> list[Any]:
 
 
 def audio_rows(tower: torch.nn.Module, feats: list[torch.Tensor], lens: list[int], device: torch.device,
-                dtype: torch.dtype, audio: AudioGraphRunner | None) -> torch.Tensor:
-    """The clips' rows: one eager audio-tower call, or runs of `audio` (a clip too long for one eagerly)."""
+               dtype: torch.dtype, audio: AudioGraphRunner | None) -> tuple[torch.Tensor, ...]:
+    """Each clip's rows: one eager audio-tower call, or runs of `audio` (a clip too long for one eagerly)."""
     parts = []
     for run in audio.groups(lens) if audio is not None else [range(len(lens))]:
         x, n = torch.cat([feats[j] for j in run], dim=1), [lens[j] for j in run]
         parts.append(audio.run(x, n) if audio is not None and audio.fits(n) else
                      audio_forward(tower, x.to(device, dtype, non_blocking=True), n))
-    return torch.cat(parts)
+    return torch.cat(parts).split([audio_token_count(n, tower.config.n_window) for n in lens])
 
 
 def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device: torch.device,
@@ -58,9 +58,8 @@ def _encode_audio(thinker: torch.nn.Module, prompts: list[PromptInputs], device:
     todo = [i for i, r in enumerate(rows) if r is None]
     if todo:
         out = audio_rows(thinker.audio_tower, [items[i][1] for i in todo], [items[i][2] for i in todo], device,
-                          dtype, audio)
-        n_window = thinker.audio_tower.config.n_window
-        for i, r in zip(todo, out.split([audio_token_count(items[i][2], n_window) for i in todo])):
+                         dtype, audio)
+        for i, r in zip(todo, out):
             rows[i] = r
             if cache is not None:
                 cache.put(keys[i], r.clone())
