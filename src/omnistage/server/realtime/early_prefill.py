@@ -5,10 +5,13 @@ growing audio the last content part), and the turn's audio goes to it as it is a
 turn's complete encoder windows while the user speaks: end of turn -> first audio does not grow with the
 turn. The turn's response takes the open request when its prompt, sampling and voice are still those it was
 opened with, and closes it with the exact clip (the engine checks what it got against it); otherwise the
-request is aborted and the response takes the ordinary path."""
+request is aborted and the response takes the ordinary path. The audio goes to the request from a task of
+its own (what arrived meanwhile in one piece), so the session's appends, and with them its VAD, never wait
+for the feature extraction."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -44,6 +47,8 @@ class EarlyPrefill:
         self._taken: StreamingInput | None = None  # taken by a response whose task has not closed it yet
         self._resampler = StreamResampler()  # the open request's
         self._fed = 0  # the session sample up to which the input audio went to it
+        self._pending: list[bytes] = []  # input audio not yet handed to the open request
+        self._pump: asyncio.Task | None = None  # hands `_pending` on; at most one append_audio at a time
 
     async def open(self, settings: SessionSettings, conversation: Conversation, item_id: str,
                    buffer: InputAudioBuffer) -> None:
@@ -62,19 +67,31 @@ class EarlyPrefill:
             logger.debug("realtime turn %s not streamed: %s", item_id, e)
             return
         self._key, self._resampler, self._fed = key, StreamResampler(), buffer.origin
-        await self.feed(buffer)
+        self.feed(buffer)
 
-    async def feed(self, buffer: InputAudioBuffer) -> None:
-        """The audio appended to `buffer` since the last feed goes to the open request."""
+    def feed(self, buffer: InputAudioBuffer) -> None:
+        """The audio appended to `buffer` since the last feed goes to the open request (soon: not awaited)."""
         if self._open is None or buffer.end <= self._fed:
             return
-        pcm = bytes(buffer.pcm[(self._fed - buffer.origin) * 2:])
+        self._pending.append(bytes(buffer.pcm[(self._fed - buffer.origin) * 2:]))
         self._fed = buffer.end
-        try:
-            await self._open.append_audio(self._resampler.push(pcm_float(pcm)))
-        except Exception:
-            logger.exception("streaming a realtime turn's audio failed; it takes the ordinary path")
-            await self.abort()
+        if self._pump is None or self._pump.done():
+            self._pump = asyncio.create_task(self._hand_on(self._open))
+
+    async def _hand_on(self, stream: StreamingInput) -> None:
+        while self._pending and self._open is stream:
+            pcm, self._pending = b"".join(self._pending), []
+            try:
+                await stream.append_audio(self._resampler.push(pcm_float(pcm)))
+            except Exception:
+                logger.exception("streaming a realtime turn's audio failed; it takes the ordinary path")
+                await self.abort()
+
+    async def _settled(self) -> None:
+        """After the append_audio in flight, if any: the stream takes one call at a time."""
+        self._pending = []
+        if self._pump is not None and self._pump is not asyncio.current_task():
+            await asyncio.wait([self._pump])
 
     def take(self, response: Response, messages: list[dict], sampling: SamplingParams,
              talker: TalkerSamplingParams | None) -> StreamingInput | None:
@@ -89,6 +106,7 @@ class EarlyPrefill:
     async def close(self, stream: StreamingInput, messages: list[dict]) -> AsyncIterator[OutputDelta]:
         """A taken request's deltas once admitted (as `start_request`'s), closed with the committed clip."""
         self._taken = None
+        await self._settled()
         deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
         self.metrics.realtime_streamed_rows.inc(stream.early_audio_rows)
         return deltas
@@ -97,6 +115,7 @@ class EarlyPrefill:
         """Frees the open request: its turn ended without a response for it, or its prompt went stale."""
         if self._open is not None:
             stream, self._open = self._open, None
+            await self._settled()
             await stream.abort()
 
     async def cancelled(self) -> None:
@@ -104,6 +123,7 @@ class EarlyPrefill:
         never closed (nor aborted by the task)."""
         if self._taken is not None:
             stream, self._taken = self._taken, None
+            await self._settled()
             await stream.abort()
 
 

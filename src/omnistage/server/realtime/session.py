@@ -101,7 +101,7 @@ class RealtimeSession:
             padding = self.settings.audio.input.turn_detection.prefix_padding_ms
             self._input.drop_until(self._input.end - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
         else:
-            await self._early.feed(self._input)
+            self._early.feed(self._input)
 
     async def _on_turn(self, turn: TurnEvent) -> None:
         at = self._detector_base + turn.audio_ms * SAMPLE_RATE // 1000
@@ -136,6 +136,7 @@ class RealtimeSession:
     async def _commit(self, pcm: bytes, item_id: str) -> None:
         """Committed user audio becomes a conversation item (the next response's prompt holds it)."""
         item = Item(item_id, "user", [Part("input_audio", pcm=pcm)])
+        await item.parts[0].decode()
         previous = self.conversation.add(item)
         await self._emit(server_event("input_audio_buffer.committed", previous_item_id=previous,
                                       item_id=item_id))
