@@ -22,7 +22,7 @@ class SlowStream:
     """A StreamingInput whose append_audio waits for `release`; records what it got and when it overlapped."""
 
     def __init__(self) -> None:
-        self.request_id, self.early_audio_rows = "req", 0
+        self.request_id, self.early_audio_rows, self.prepared = "req", 0, False
         self.release = asyncio.Event()
         self.got: list[np.ndarray] = []
         self.busy = False
@@ -35,6 +35,11 @@ class SlowStream:
         await self.release.wait()
         self.got.append(pcm16k)
         self.busy = False
+
+    async def prepare(self, audio: np.ndarray) -> None:
+        self.overlapped |= self.busy
+        self.calls.append("prepare")
+        self.clip = audio
 
     async def close(self, audio: np.ndarray) -> object:
         self.overlapped |= self.busy
@@ -103,3 +108,32 @@ def test_abort_waits_for_the_append_in_flight():
 
     stream = asyncio.run(main())
     assert stream.calls == ["abort"] and not stream.overlapped and len(stream.got) == 1
+
+
+def test_a_pause_is_prepared_before_the_audio_pending():
+    """prepare(end) while an append is in flight and more audio waits: the clip up to `end` is resampled and
+    prepared next (before that audio), and clip(end) is its pcm_to_16k bit for bit; another end has none; an
+    abort leaves a pending clip's waiter with None."""
+    async def main():
+        early, engine, buffer = await opened()
+        buffer.append(pcm(60, 1))
+        early.feed(buffer)
+        end = buffer.end - 24 * 30
+        early.prepare(buffer, end)
+        engine.stream.release.set()
+        clip = await early.clip(end)
+        assert await early.clip(end + 1) is None
+        async with asyncio.timeout(5):
+            while "prepare" not in engine.stream.calls or engine.stream.busy:
+                await asyncio.sleep(0.001)
+        got = len(engine.stream.got)
+        engine.stream.release.clear()
+        early.prepare(buffer, end - 480)
+        waiter = asyncio.create_task(early.clip(end - 480))
+        await early.abort()
+        return engine.stream, clip, bytes(buffer.pcm[:end * 2]), got, await waiter
+
+    stream, clip, pcm16, got, aborted = asyncio.run(main())
+    assert np.array_equal(clip, pcm_to_16k(pcm16)) and np.array_equal(stream.clip, clip)
+    assert got == 2 and stream.calls[0] == "prepare"  # the open's 40 ms, the pause, then the 60 ms pending
+    assert aborted is None and not stream.overlapped

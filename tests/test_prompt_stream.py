@@ -55,9 +55,11 @@ def whole(messages: list[dict], audio: np.ndarray) -> ChatResult:
                        talker_sampling=TALKER)
 
 
-def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | None = None):
-    """Opens, appends `audio` in pieces of 37 ms, 100 ms, 1.3 s (cycling), waits until the thinker has
-    prefilled what was sent, closes; returns (result, stream, pieces sent, rows prefilled before close)."""
+def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | None = None,
+             paused: tuple[int, ...] = ()):
+    """Opens, appends `audio` in pieces of 37 ms, 100 ms, 1.3 s (cycling), `prepare`s its first n samples
+    once they are appended (n in `paused`: where the user paused), waits until the thinker has prefilled
+    what was sent, closes; returns (result, stream, pieces sent, rows prefilled before close)."""
     o = omni().engine
     out, sent = ChatResult(), []
     stream = o.open_request("s-" + str(time.monotonic_ns()), messages, want_audio=True, voice="Ethan",
@@ -69,6 +71,9 @@ def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | N
         n = 16 * PIECES_MS[i % len(PIECES_MS)]
         stream.append_audio(audio[at:at + n])
         at, i = at + n, i + 1
+        for end in paused:
+            if at - n < end <= at:
+                stream.prepare(audio[:end])
     prefilled = wait_prefilled(stream)
     stream.close(close_with)
     o.wait([stream.req.request_id])
@@ -151,6 +156,32 @@ def test_rising_maximum_while_speaking_rewinds_early() -> None:
     shape = [(p.keep, len(p.input_ids), p.closed) for p in sent]
     assert shape[0] == (prefix, 104, False) and shape[-2:] == [(prefix + 104, 104, False), (prefix + 208, 26, True)]
     assert set(shape[1:-2]) == {(prefix, 104, False)}  # the first window again as the louder audio came
+
+
+def test_turn_prepared_where_it_ends_closes_with_one_row() -> None:
+    """`prepare` at the turn's end (then silence the clip does not hold): the thinker has the whole prompt
+    before close, which computes only its last row again; the answer is the whole clip's."""
+    audio = speech()
+    out, stream, sent, prefilled = streamed(user(), np.concatenate([audio, np.zeros(8000, np.float32)]),
+                                            close_with=audio, paused=(len(audio),))
+    assert_same(out, whole(user(), audio))
+    n = len(stream.req.prompt.input_ids)
+    assert prefilled == n and stream.closed_prepared
+    tail, last = sent[-2], sent[-1]
+    assert not tail.closed and tail.keep == len(stream.prefix.input_ids) + 208 and tail.audio.shape[1] == 150
+    assert (last.keep, last.input_ids, last.audio, last.closed) == (n - 1, stream.req.prompt.input_ids[-1:],
+                                                                    None, True)
+
+
+def test_speech_after_a_pause_leaves_the_ordinary_close() -> None:
+    """Prepared at a pause, then the user spoke on (one more window, louder: both sent windows change): what
+    `prepare` sent is rewound and close sends what differs, exact; prepared at a pause in the first window,
+    the tail it sent is dropped by the next window's piece."""
+    audio = speech().copy()
+    audio[-4000:] = np.clip(audio[-4000:] * 3.0, -1, 1)
+    out, stream, sent, _ = streamed(user(), audio, paused=(9 * 16000, 4 * 16000))
+    assert_same(out, whole(user(), audio))
+    assert not stream.closed_prepared and sent[-1].keep == len(stream.prefix.input_ids) + 208
 
 
 def history(samples: int) -> list[dict]:

@@ -41,11 +41,12 @@ LONG_TURN = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
 
 def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     """A 17.5 s turn sent in 20-40 ms appends: its request is opened at speech start and its two complete
-    encoder windows (104 rows each) are prefilled before the turn ends (and kept); the answer is that of the
-    committed clip through chat completions (same transcript, audio bytes and usage)."""
+    encoder windows (104 rows each) are prefilled before the turn ends (and kept), the rest where the silence
+    began; the answer is that of the committed clip through chat completions (same transcript, audio bytes
+    and usage)."""
     pcm = silence(400) + long_speech_pcm()
-    rows = "omnistage_realtime_streamed_prompt_rows_total"
-    before = counter(rt_server, rows)
+    rows, prepared = "omnistage_realtime_streamed_prompt_rows_total", "omnistage_realtime_prepared_turns_total"
+    before, prepared_before = counter(rt_server, rows), counter(rt_server, prepared)
 
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
@@ -63,6 +64,7 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     clip = (pcm + silence(1500))[started.audio_start_ms * 48:stopped.audio_end_ms * 48]
     assert len(clip) // 2 * 2 // 3 // 160 >= 1600  # two complete windows of 800 mel frames
     assert counter(rt_server, rows) - before == 2 * 104
+    assert counter(rt_server, prepared) - prepared_before == 1  # prepared where the user paused: one row at close
     text, audio, response = answer(events)
     reply = chat(rt_server, wav_messages(clip, "Be brief."))
     assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)

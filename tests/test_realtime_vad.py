@@ -85,12 +85,15 @@ def test_batched_equals_sequential_silero(engine, silero_model, monkeypatch):
     assert calls <= max(map(len, windows)) + 3 and max(steps) == 3  # batched: not one call per session a window
 
 
-def feed_all(engine: VadEngine, pcm24: np.ndarray, params: ServerVad, seed: int) -> list[TurnEvent]:
-    async def go():
-        det = engine.detector(params)
-        return [e for p in pieces(pcm24, seed, 480, 961) for e in await det.feed(p)]
+async def heard(det, pcm24: np.ndarray, seed: int, pauses: bool = False) -> list[TurnEvent]:
+    """The turn events of `pcm24` fed in uneven pieces (`pauses`: with our speech_paused ones)."""
+    events = [e for p in pieces(pcm24, seed, 480, 961) for e in await det.feed(p)]
+    return events if pauses else [e for e in events if e.type != "speech_paused"]
 
-    return run(go())
+
+def feed_all(engine: VadEngine, pcm24: np.ndarray, params: ServerVad, seed: int, pauses: bool = False
+             ) -> list[TurnEvent]:
+    return run(heard(engine.detector(params), pcm24, seed, pauses))
 
 
 def reference_turns(silero_model, wav16: np.ndarray, params: ServerVad) -> list[TurnEvent]:
@@ -131,12 +134,26 @@ def test_two_turns_and_settings(engine):
     assert feed_all(engine, spoken(2.0), ServerVad(), seed=4) == []  # silence
 
 
+def test_each_stop_follows_a_pause_at_its_end(engine):
+    """speech_paused comes once per silence within a turn, after min(150, silence / 2) ms of it; the silence
+    that ends the turn was reported as a pause at the very point the turn stops (what a prepared turn's clip
+    ends at)."""
+    for vad in (ServerVad(), ServerVad(silence_duration_ms=200)):
+        events = feed_all(engine, spoken(0.3, "question_2s", 0.8, "question_3s", 1.0), vad, seed=9, pauses=True)
+        stops = [i for i, e in enumerate(events) if e.type == "speech_stopped"]
+        assert len(stops) == 2 and events[0].type == "speech_started"
+        for i in stops:
+            assert events[i - 1] == TurnEvent("speech_paused", events[i].audio_ms)
+        assert feed_all(engine, spoken(0.3, "question_2s", 0.8, "question_3s", 1.0), vad, seed=9) == [
+            e for e in events if e.type != "speech_paused"]
+
+
 def test_reset_drops_the_turn_in_progress(engine):
     async def go():
         det = engine.detector(ServerVad())
-        first = [e for p in pieces(spoken(0.5, "question_2s")[:36000], 5, 480, 961) for e in await det.feed(p)]
+        first = await heard(det, spoken(0.5, "question_2s")[:36000], 5)
         det.reset()
-        rest = [e for p in pieces(spoken(0.6, "question_3s", 1.0), 6, 480, 961) for e in await det.feed(p)]
+        rest = await heard(det, spoken(0.6, "question_3s", 1.0), 6)
         return first, rest
 
     first, rest = run(go())
@@ -180,7 +197,7 @@ def test_a_failed_call_fails_its_feeds_only(monkeypatch):
         det = eng.detector(ServerVad())
         with pytest.raises(RuntimeError, match="boom"):
             await det.feed(spoken(0.1))
-        return [e for p in pieces(spoken(0.3, "question_2s", 1.0), 7, 480, 961) for e in await det.feed(p)]
+        return await heard(det, spoken(0.3, "question_2s", 1.0), 7)
 
     try:
         assert [e.type for e in run(go())] == ["speech_started", "speech_stopped"]
@@ -195,7 +212,7 @@ def test_reset_with_audio_the_worker_has_not_seen(engine):
     """A reset while a feed's audio waits for the worker: that audio still counts (the clock and the 16 kHz
     stream run on), as when the worker had scored it first."""
     async def rest(det):
-        return [e for p in pieces(spoken(0.3, "question_2s", 1.0), 8, 480, 961) for e in await det.feed(p)]
+        return await heard(det, spoken(0.3, "question_2s", 1.0), 8)
 
     async def reset_first():
         det = engine.detector(ServerVad())

@@ -173,6 +173,15 @@ class StreamingPrompt:
         """16 kHz mono float samples (the feature extraction of a completed window runs off the loop)."""
         await asyncio.get_running_loop().run_in_executor(None, self.stream.append_audio, pcm16k)
 
+    @property
+    def prepared(self) -> bool:
+        """Whether close found the whole prompt already sent by `prepare`."""
+        return self.stream.closed_prepared
+
+    async def prepare(self, audio: np.ndarray) -> None:
+        """The clip if the turn ends now (`PromptStream.prepare`), off the loop."""
+        await asyncio.get_running_loop().run_in_executor(None, self.stream.prepare, audio)
+
     async def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]:
         """The audio is complete (`audio`: see `PromptStream.close`): the request's deltas. Raises
         ValueError (e.g. the prompt got too long for the KV cache or the admission's limit) before the first."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -46,6 +47,16 @@ def chunk_width(lens: list[int], chunk: int) -> int:
     return max(min(n, chunk) for n in lens)
 
 
+@dataclass
+class Prepared:
+    """`PromptStream.prepare`'s clip, its whole prompt, and whether the thinker has all of it (nothing sent
+    since rewound it)."""
+
+    audio: np.ndarray
+    prompt: PromptInputs
+    sent: bool
+
+
 class PromptStream:
     """Built by `Orchestrator.open_request`; `append_audio` and `close` from one thread at a time."""
 
@@ -67,11 +78,17 @@ class PromptStream:
         self.peak = float("inf")  # the largest feature when they were last made (the floor is 8 below it)
         self.looked = 0  # samples when the audio was last looked at for a louder frame
         self.closed = False
+        self.prepared: Prepared | None = None  # the last `prepare`'s
+        self.closed_prepared = False  # `close` found the whole prompt sent by `prepare`
 
     @property
     def early_rows(self) -> int:
-        """Prompt rows sent before close (prefix and complete windows)."""
-        return 0 if self.prefix is None else len(self.prefix.input_ids) + self.rows * len(self.sent)
+        """Prompt rows sent before close (prefix and complete windows, or all a prepared prompt's)."""
+        if self.prefix is None:
+            return 0
+        if self.prepared is not None and self.prepared.sent:
+            return len(self.prepared.prompt.input_ids)
+        return len(self.prefix.input_ids) + self.rows * len(self.sent)
 
     def append_audio(self, pcm: np.ndarray) -> None:
         """16 kHz mono float samples; sends the windows this completes."""
@@ -116,6 +133,8 @@ class PromptStream:
         k0, w = self._first_changed(feats), self.window
         self.sent = self.sent[:k0] + [feats[:, k * w:(k + 1) * w].clone() for k in range(k0, windows)]
         if k0 < windows:
+            if self.prepared is not None:
+                self.prepared.sent = False  # this rewinds what it sent
             keep = len(self.prefix.input_ids) + self.rows * k0
             self.send(PromptPiece(self.req, keep, [self._pad] * (self.rows * (windows - k0)),
                                   feats[:, k0 * w:windows * w].contiguous()))
@@ -123,6 +142,22 @@ class PromptStream:
     @property
     def _pad(self) -> int:
         return self.processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
+
+    def prepare(self, audio: np.ndarray) -> None:
+        """The clip the turn has if it ends where the user paused: its whole prompt is made now and the rows
+        past the complete windows are sent to be prefilled (not closed), so that a `close` with that very
+        clip only has the last row computed again to sample from. Later audio that changes a window rewinds
+        them as any; a prompt the ordinary path would refuse is left to `close` to raise."""
+        if self.closed or self.req.aborted:
+            return
+        try:
+            prompt = self.make(with_audio(self.messages, audio)).prompt
+        except ValueError:
+            return
+        piece = self._rest(prompt, closed=False) if self.prefix is not None else None
+        self.prepared = Prepared(audio, prompt, piece is not None)
+        if piece is not None:
+            self.send(piece)
 
     def close(self, audio: np.ndarray | None = None) -> None:
         """The audio is complete (`audio`: the whole clip, if it is not exactly what was appended, e.g. a
@@ -136,15 +171,25 @@ class PromptStream:
             return
         if audio is not None:
             self.pcm = [np.asarray(audio, dtype=np.float32).reshape(-1)]
-        prompt = self.make(with_audio(self.messages, self.audio())).prompt
+        ready, clip = self.prepared, self.audio()
+        same = ready is not None and ready.audio.shape == clip.shape and np.array_equal(ready.audio, clip)
+        prompt = ready.prompt if same else self.make(with_audio(self.messages, clip)).prompt
         self.req.prompt = prompt
         if self.prefix is None:
             self.submit(self.req)
             return
+        if same and ready.sent:  # the thinker has the whole prompt already
+            self.closed_prepared, n = True, len(prompt.input_ids)
+            return self.send(PromptPiece(self.req, n - 1, prompt.input_ids[n - 1:], closed=True))
+        piece = self._rest(prompt, closed=True)
+        self.send(piece) if piece is not None else self._restart()
+
+    def _rest(self, prompt: PromptInputs, closed: bool) -> PromptPiece | None:
+        """The piece that makes what the thinker has `prompt` (None: it cannot be made exact, start over)."""
         lens = prompt.audio_feature_lens
         feats = prompt.input_features[-1, :, :lens[-1]]
         if not self._prefix_exact(prompt):
-            return self._restart()
+            return None
         k0, w, cut = self._first_changed(feats), self.window, len(self.prefix.input_ids)
         start, skip = k0 * w, 0
         tail = lens[-1] - start
@@ -153,11 +198,11 @@ class PromptStream:
         if 0 < tail < self.chunk and k0 > 0:
             start, skip = start - w, self.rows
         if tail > 0 and chunk_width([lens[-1] - start], self.chunk) != chunk_width(lens, self.chunk):
-            return self._restart()
+            return None
         keep = cut + self.rows * k0
         self.sent = self.sent[:k0]
-        self.send(PromptPiece(self.req, keep, prompt.input_ids[keep:],
-                              feats[:, start:].contiguous() if tail > 0 else None, skip, closed=True))
+        audio = feats[:, start:].contiguous() if tail > 0 else None
+        return PromptPiece(self.req, keep, prompt.input_ids[keep:], audio, skip, closed=closed)
 
     def _restart(self) -> None:
         self.sent = []

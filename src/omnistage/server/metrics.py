@@ -66,12 +66,16 @@ class ServerMetrics:
         self.realtime_streamed_rows = Counter(
             f"{p}_realtime_streamed_prompt_rows_total",
             "Prompt rows of realtime spoken turns (their audio's encoder windows) prefilled while spoken.")
+        self.realtime_prepared_turns = Counter(
+            f"{p}_realtime_prepared_turns_total",
+            "Realtime spoken turns whose whole prompt was prefilled where the user paused, before the turn ended.")
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.phase, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
                      self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.restarts,
                      self.waiting,
-                     self.waiting_tokens, self.realtime_streamed_rows, self.rss, *self.caches.values()]
+                     self.waiting_tokens, self.realtime_streamed_rows, self.realtime_prepared_turns, self.rss,
+                     *self.caches.values()]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
                       kv_blocks_total: int | None = None, active: int | None = None,

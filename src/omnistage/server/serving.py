@@ -44,12 +44,16 @@ class EngineClient(Protocol):
 
 class StreamingInput(Protocol):
     """An open request (AsyncOmni's StreamingPrompt): `append_audio` (16 kHz float, each awaited before the
-    next), then `close(audio)`, its deltas as `generate`'s; `abort()` frees it."""
+    next; `prepare(clip)` where the turn may end), then `close(audio)`, its deltas as `generate`'s; `abort()`
+    frees it."""
 
     request_id: str
     early_audio_rows: int  # rows of the audio's encoder windows the thinker got before close (kept, after it)
+    prepared: bool  # close found the whole prompt sent by `prepare`
 
     async def append_audio(self, pcm16k: np.ndarray) -> None: ...
+
+    async def prepare(self, audio: np.ndarray) -> None: ...
 
     def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]: ...
 

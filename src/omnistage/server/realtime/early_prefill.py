@@ -7,7 +7,9 @@ turn. The turn's response takes the open request when its prompt, sampling and v
 opened with, and closes it with the exact clip (the engine checks what it got against it); otherwise the
 request is aborted and the response takes the ordinary path. The audio goes to the request from a task of
 its own (what arrived meanwhile in one piece), so the session's appends, and with them its VAD, never wait
-for the feature extraction."""
+for the feature extraction. Where the user pauses (`speech_paused`, before the VAD's silence is complete) the
+turn's clip should it end there is resampled and its whole prompt made and sent to be prefilled: a turn that
+does end there then costs the thinker one row at close (`PromptStream.prepare`)."""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from omnistage.config import DeployConfig
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineDeadError, EngineOverloaded
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
-from omnistage.server.realtime.conversation import Conversation, Item, Part, pcm_float
+from omnistage.server.realtime.conversation import Conversation, Item, Part, pcm_float, pcm_to_16k
 from omnistage.server.realtime.events import RealtimeError, ResponseParams
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.realtime.input_buffer import InputAudioBuffer
@@ -48,7 +50,9 @@ class EarlyPrefill:
         self._resampler = StreamResampler()  # the open request's
         self._fed = 0  # the session sample up to which the input audio went to it
         self._pending: list[bytes] = []  # input audio not yet handed to the open request
-        self._pump: asyncio.Task | None = None  # hands `_pending` on; at most one append_audio at a time
+        self._pump: asyncio.Task | None = None  # hands `_pending` on; at most one call at a time
+        self._ahead: tuple[int, bytes] | None = None  # a pause's end and clip, for the pump (before `_pending`)
+        self._clip: tuple[int, asyncio.Future] | None = None  # that clip at 16 kHz, once resampled
 
     async def open(self, settings: SessionSettings, conversation: Conversation, item_id: str,
                    buffer: InputAudioBuffer) -> None:
@@ -75,21 +79,56 @@ class EarlyPrefill:
             return
         self._pending.append(bytes(buffer.pcm[(self._fed - buffer.origin) * 2:]))
         self._fed = buffer.end
+        self._run()
+
+    def prepare(self, buffer: InputAudioBuffer, end: int) -> None:
+        """The user paused at session sample `end`: the turn's clip should it end there, and its whole prompt
+        (`StreamingInput.prepare`), are made now, before the audio still pending; `clip(end)` awaits the
+        first."""
+        if self._open is None or end <= buffer.origin:
+            return
+        self._ahead = end, bytes(buffer.pcm[:(end - buffer.origin) * 2])
+        self._cancel_clip()
+        self._clip = end, asyncio.get_running_loop().create_future()
+        self._run()
+
+    async def clip(self, end: int) -> np.ndarray | None:
+        """The 16 kHz clip `prepare(buffer, end)` made (None: no such one), as pcm_to_16k gives it."""
+        if self._clip is None or self._clip[0] != end:
+            return None
+        future = self._clip[1]
+        await asyncio.wait([future])
+        return None if future.cancelled() else future.result()
+
+    def _run(self) -> None:
         if self._pump is None or self._pump.done():
             self._pump = asyncio.create_task(self._hand_on(self._open))
 
     async def _hand_on(self, stream: StreamingInput) -> None:
-        while self._pending and self._open is stream:
-            pcm, self._pending = b"".join(self._pending), []
+        while (self._pending or self._ahead) and self._open is stream:
             try:
-                await stream.append_audio(self._resampler.push(pcm_float(pcm)))
+                if self._ahead is not None:
+                    (end, pcm), self._ahead = self._ahead, None
+                    audio = await asyncio.to_thread(pcm_to_16k, pcm)
+                    if self._clip is not None and self._clip[0] == end and not self._clip[1].done():
+                        self._clip[1].set_result(audio)
+                    await stream.prepare(audio)
+                else:
+                    pcm, self._pending = b"".join(self._pending), []
+                    await stream.append_audio(self._resampler.push(pcm_float(pcm)))
             except Exception:
                 logger.exception("streaming a realtime turn's audio failed; it takes the ordinary path")
                 await self.abort()
 
+    def _cancel_clip(self) -> None:
+        if self._clip is not None:
+            self._clip[1].cancel()
+            self._clip = None
+
     async def _settled(self) -> None:
-        """After the append_audio in flight, if any: the stream takes one call at a time."""
-        self._pending = []
+        """After the call in flight, if any: the stream takes one call at a time."""
+        self._pending, self._ahead = [], None
+        self._cancel_clip()
         if self._pump is not None and self._pump is not asyncio.current_task():
             await asyncio.wait([self._pump])
 
@@ -109,6 +148,7 @@ class EarlyPrefill:
         await self._settled()
         deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
         self.metrics.realtime_streamed_rows.inc(stream.early_audio_rows)
+        self.metrics.realtime_prepared_turns.inc(stream.prepared)
         return deltas
 
     async def abort(self) -> None:

@@ -115,13 +115,17 @@ class RealtimeSession:
                 await self._player.cancel("turn_detected")
             if vad.create_response and not self._player.playing:
                 await self._early.open(self.settings, self.conversation, self._speech, self._input)
+        elif turn.type == "speech_paused":
+            if self._speech is not None:
+                self._early.prepare(self._input, at)
         elif self._speech is not None:
             item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
             decided = time.perf_counter()
             try:
-                await self._commit(self._input.take_until(at), item_id)
+                audio16k = await self._early.clip(at)
+                await self._commit(self._input.take_until(at), item_id, audio16k)
                 if vad.create_response and not self._player.playing:
                     await self._respond(ev.ResponseParams(), decided)
             finally:
@@ -133,9 +137,10 @@ class RealtimeSession:
         await self._reset_turn()
         await self._commit(pcm, item_id)
 
-    async def _commit(self, pcm: bytes, item_id: str) -> None:
-        """Committed user audio becomes a conversation item (the next response's prompt holds it)."""
-        item = Item(item_id, "user", [Part("input_audio", pcm=pcm)])
+    async def _commit(self, pcm: bytes, item_id: str, audio16k: np.ndarray | None = None) -> None:
+        """Committed user audio becomes a conversation item (the next response's prompt holds it);
+        `audio16k`: its pcm_to_16k, made already."""
+        item = Item(item_id, "user", [Part("input_audio", pcm=pcm, _audio16k=audio16k)])
         await item.parts[0].decode()
         previous = self.conversation.add(item)
         await self._emit(server_event("input_audio_buffer.committed", previous_item_id=previous,

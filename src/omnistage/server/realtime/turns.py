@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 RATE = 16000  # the probabilities' windows are counted in 16 kHz samples
 NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
+PAUSE_MS = 150  # silence before a turn's end is prepared (at most half the silence that ends it)
 
 
 @dataclass
@@ -22,7 +23,7 @@ class ServerVad:
 
 @dataclass
 class TurnEvent:
-    type: str  # "speech_started" | "speech_stopped"
+    type: str  # "speech_started" | "speech_stopped" | "speech_paused" (ours: the turn may end there)
     audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
@@ -33,6 +34,7 @@ class TurnState:
         self.params = params
         self._speaking = False
         self._silence_from: int | None = None  # where the current silence began, while speaking
+        self._paused = False  # this silence was reported as a pause
 
     def step(self, start: int, end: int, prob: float) -> TurnEvent | None:
         """One window's probability (the window spans 16 kHz samples [start, end)) through the turn state."""
@@ -44,10 +46,14 @@ class TurnState:
                 return TurnEvent("speech_started", max(0, _ms(start) - p.prefix_padding_ms))
         elif self._speaking and prob < max(p.threshold - NEG_THRESHOLD_GAP, 0.01):
             if self._silence_from is None:
-                self._silence_from = start
-            if _ms(end - self._silence_from) >= p.silence_duration_ms:  # heard the whole silence
+                self._silence_from, self._paused = start, False
+            heard = _ms(end - self._silence_from)
+            if heard >= p.silence_duration_ms:  # heard the whole silence
                 end, self._speaking, self._silence_from = _ms(self._silence_from), False, None
                 return TurnEvent("speech_stopped", end)
+            if not self._paused and heard >= min(PAUSE_MS, p.silence_duration_ms // 2):
+                self._paused = True
+                return TurnEvent("speech_paused", _ms(self._silence_from))
         return None
 
 
