@@ -91,8 +91,8 @@ class DeployConfig:
     `gpu_memory_utilization`: the fraction of each GPU's memory this process may use, less what other
     processes hold (pipeline/placement/memory.py), as vLLM's flag of that name.
     `realtime_streaming_input`: a realtime spoken turn (server VAD) is encoded and prefilled while the user
-    speaks (`AsyncOmni.open_request`); False (default: slower on the H200 so far, benchmarks/HISTORY.md): only
-    once it is committed.
+    speaks (`AsyncOmni.open_request`) and where they pause (default; faster on the H200 from 7d5ec95,
+    benchmarks/HISTORY.md); False: only once it is committed.
     `enable_prefix_caching`: the thinker keeps computed prompt blocks for later prompts with the same
     prefix (vLLM's flag); `encoder_cache_mb`: MiB of encoder rows kept per thinker for media sent again
     (0: none); both count against the device's memory budget as activations do.
@@ -112,7 +112,7 @@ class DeployConfig:
     data_parallel_size: int = r.opt(1, r.positive_int)
     switch_interval_ms: float = r.opt(5.0, r.interval)
     gpu_memory_utilization: float = r.opt(0.9, r.utilization)
-    realtime_streaming_input: bool = r.opt(False, r.boolean)
+    realtime_streaming_input: bool = r.opt(True, r.boolean)
     enable_prefix_caching: bool = r.opt(True, r.boolean)
     encoder_cache_mb: int = r.opt(512, r.non_negative_int)
     mm_processor_kwargs: dict = field(default_factory=lambda: {"image": {"max_pixels": 1280 * 32 * 32}},
