@@ -197,6 +197,23 @@ def test_earlier_audio_in_the_prompt(earlier: int) -> None:
     assert prefilled == prefix + 104 and sent[-1].keep == prefix + 104 and not sent[-1].restart
 
 
+def test_turn_longer_than_an_earlier_audio_is_rebased_where_it_pauses() -> None:
+    """An earlier audio that ends mid-speech, off the hop: padded in the whole prompt (this turn is longer),
+    not at open, so its features and frame count differ from the prefix's. `prepare` starts the request over,
+    still open, from the whole prompt; close computes one row; the answer is the whole clip's. Shorter than
+    the earlier audio, the turn's prefix is exact from the open on (no restart)."""
+    audio = speech()[:9 * 16000]
+    for earlier, rebased in ((speech()[16000:56077], True), (speech()[:12 * 16000 + 77], False)):
+        messages = [*HISTORY, {"role": "user", "content": [{"type": "audio", "audio": earlier}, "Hi."]},
+                    {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
+        out, stream, sent, prefilled = streamed(messages, np.concatenate([audio, np.zeros(4000, np.float32)]),
+                                                close_with=audio, paused=(len(audio),))
+        assert_same(out, whole(messages, audio))
+        assert stream.closed_prepared and prefilled == len(stream.req.prompt.input_ids)
+        assert [p.restart for p in sent] == [False] * (len(sent) - 2) + [rebased, False]
+        assert not sent[-2].closed and sent[-1].closed
+
+
 def test_streamed_turn_shares_the_prefix_cache() -> None:
     """An open request takes its history from the prefix cache (its prefix is fixed at open) and, once
     closed, leaves its whole prompt there for the next turn, as an ordinary request does."""

@@ -12,39 +12,20 @@ moved."""
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from omnistage.engine.request import Request
 from omnistage.media import to_conversation
-from omnistage.models.qwen3_omni.media_keys import media_keys
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
+from omnistage.pipeline.stream_parts import Messages, chunk_width, prefix_prompt, with_audio
 from omnistage.pipeline.thinker.growth import PromptPiece
 
-Messages = list[dict[str, Any]]
 CHECK_SAMPLES = 1600  # 100 ms at 16 kHz: how often new audio is looked at for a louder frame
-
-
-def with_audio(messages: Messages, audio: np.ndarray) -> Messages:
-    """`messages` with `audio` appended as the last content part of the last (user) message."""
-    if not messages or messages[-1].get("role") != "user":
-        raise ValueError("messages: a streamed audio needs a user message last")
-    last = dict(messages[-1])
-    content = last.get("content", [])
-    parts = [{"type": "text", "text": content}] if isinstance(content, str) else list(content)
-    last["content"] = [*parts, {"type": "audio", "audio": audio}]
-    return [*messages[:-1], last]
-
-
-def chunk_width(lens: list[int], chunk: int) -> int:
-    """The width the audio tower pads every conv chunk of one call to (its longest chunk)."""
-    return max(min(n, chunk) for n in lens)
 
 
 @dataclass
@@ -155,9 +136,23 @@ class PromptStream:
         except ValueError:
             return
         piece = self._rest(prompt, closed=False) if self.prefix is not None else None
+        if piece is None and self.prefix is not None:
+            piece = self._rebase(prompt)
         self.prepared = Prepared(audio, prompt, piece is not None)
         if piece is not None:
             self.send(piece)
+
+    def _rebase(self, prompt: PromptInputs) -> PromptPiece | None:
+        """The request started over, still open, from `prompt` (the prefix it was opened with is not that
+        prompt's: e.g. an earlier audio padded otherwise, this turn being longer): its prefix is `prompt`'s."""
+        prefix = prefix_prompt(self.processor, prompt)
+        if prefix is None:
+            return None
+        lens, w = prompt.audio_feature_lens, self.window
+        feats = prompt.input_features[-1, :, :lens[-1]]
+        self.req.prompt, self.prefix = prompt, prefix
+        self.sent = [feats[:, k * w:(k + 1) * w].clone() for k in range(lens[-1] // w)]
+        return PromptPiece(self.req, 0, [], restart=True)
 
     def close(self, audio: np.ndarray | None = None) -> None:
         """The audio is complete (`audio`: the whole clip, if it is not exactly what was appended, e.g. a
@@ -224,32 +219,16 @@ class PromptStream:
                    for i, n in enumerate(before))
 
 
-def prefix_prompt(processor: PromptProcessor, prompt: PromptInputs) -> PromptInputs | None:
-    """The part of `prompt` (made with a stand-in for the streamed audio, its last) before the streamed
-    audio's placeholders; None when it has images or videos (3-D positions: the prompt is sent whole)."""
-    if prompt.image_grid_thw is not None or prompt.video_grid_thw is not None:
-        return None
-    pad = processor.tokenizer.convert_tokens_to_ids("<|audio_pad|>")
-    count = audio_token_count(prompt.audio_feature_lens[-1], processor.n_window)
-    ids = prompt.input_ids
-    cut = len(ids) - ids[::-1].index(pad) - count
-    out = copy.copy(prompt)
-    out.input_ids = ids[:cut]
-    out.input_features, out.feature_attention_mask = (
-        (None, None) if len(prompt.audio_feature_lens) == 1
-        else (prompt.input_features[:-1], prompt.feature_attention_mask[:-1]))
-    out.media_keys = media_keys(out, processor.pad_ids, (), ())  # the earlier audios': its prefix can be cached
-    return out
-
-
 def open_stream(processor: PromptProcessor, messages: Messages, make: Callable[[Messages], Request],
                 send: Callable[[PromptPiece], None], submit: Callable[[Request], None], early: bool
                 ) -> PromptStream:
     """`Orchestrator.open_request`: the request made with a silent stand-in for the streamed audio (so it is
     refused now as the whole one would be), its prefix sent now when `early` (local placement)."""
     audios = to_conversation(messages, processor.media_policy).audios
-    # NOTE: a stand-in longer than every earlier audio: each is padded as if the streamed one were the longest
-    req = make(with_audio(messages, np.zeros(max(map(len, audios), default=0) + 16000, np.float32)))
+    # NOTE: the feature extractor pads every clip to the longest, and an earlier audio's features (even its
+    # frame count) depend on whether it is padded: the stand-in is as long as the longest, so the prefix is
+    # exact when the turn is no longer than that (a longer one is rebased where the user pauses, `prepare`).
+    req = make(with_audio(messages, np.zeros(max(map(len, audios), default=16000), np.float32)))
     prefix = prefix_prompt(processor, req.prompt) if early else None
     stream = PromptStream(processor, req, messages, prefix, send, make, submit)
     if prefix is not None:

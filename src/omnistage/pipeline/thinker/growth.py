@@ -22,7 +22,8 @@ class PromptPiece:
     `<|audio_pad|>` rows are the encoder rows of `audio` (`[mels, frames]` log-mel features of one stretch of
     audio that starts at an encoder-window boundary) past its first `skip` rows (context, dropped).
     `closed`: the prompt is now whole (`request.prompt` is the whole prompt's `PromptInputs`).
-    `restart`: the rows kept would not be exact; the stage starts the request over from `request.prompt`."""
+    `restart`: the rows kept would not be exact; the stage starts the request over from `request.prompt`
+    (still growing unless `closed`)."""
 
     request: Request
     keep: int

@@ -14,7 +14,7 @@ from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
     """None where no prefix may be shared: media without keys. A growing prompt's (`seq.open`) are those of
-    the rows it has, before the streamed audio: no piece rewinds past them (`prompt_stream.prefix_prompt`)."""
+    the rows it has, before the streamed audio: no piece rewinds past them (`stream_parts.prefix_prompt`)."""
     keys = seq.req.prompt.media_keys
     if seq.has_mm and keys is None:
         return None

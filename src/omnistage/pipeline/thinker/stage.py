@@ -122,7 +122,7 @@ class ThinkerStage(AsyncOutputStep):
             return
         if piece.restart:
             self._release(seq)
-            piece.request.growing = False
+            piece.request.growing = not piece.closed
             self.waiting.append(self._admit(piece.request))
         else:
             extend(self.thinker, seq, piece, self.tokenizer, rows)
