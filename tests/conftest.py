@@ -2,6 +2,8 @@ from __future__ import annotations
 
 import functools
 import os
+import re
+from pathlib import Path
 
 # NOTE: before torch loads OpenMP: busy-waiting threads make a shared 2-core machine ~3x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -57,3 +59,26 @@ def tiny_dir(request):
     from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
     return tiny_checkpoint(getattr(request, "param", "tiny"), 0)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` (pytest-xdist): each test file to one worker, so its module-scoped engines are made once, and the
+    files of one server plugin (`pytest_plugins`) to one worker, so it alone starts those session servers. In
+    collection order: sorted by test count, the long one-test files (the soak) would come last and run alone."""
+    if config.getvalue("dist") != "load":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByFileAndServer(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(config.rootpath / nodeid.split("::", 1)[0])
+
+    config.option.loadscopereorder = False
+    return ByFileAndServer(config, log)
+
+
+@functools.cache
+def scope_of(path: Path) -> str:
+    plugins = re.search(r"^pytest_plugins = (.+)$", path.read_text(), re.MULTILINE)
+    return plugins[1] if plugins else str(path)
