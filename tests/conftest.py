@@ -4,6 +4,7 @@ import functools
 import os
 import re
 from pathlib import Path
+from unittest import mock
 
 # NOTE: before torch loads OpenMP: busy-waiting threads make a shared 2-core machine ~3x slower.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -50,6 +51,34 @@ def hf_stage_state(model, stage: str) -> dict[str, torch.Tensor]:
 @pytest.fixture(params=["tiny", "tiny-wide"])
 def preset(request) -> str:
     return request.param
+
+
+@pytest.fixture(scope="module", autouse=True)
+def engines_freed(request):
+    """After each test file, the engines it made and left running are shut down and the test files' caches in its
+    namespace (`functools.cache`: engines, models) emptied: an xdist worker would otherwise keep every engine its
+    files made (two workers: 22 of the 24 GB of a 2-core CI machine)."""
+    from omnistage.pipeline.orchestrator import Orchestrator
+
+    running, init, shutdown = set(), Orchestrator.__init__, Orchestrator.shutdown
+
+    def tracked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        running.add(self)
+
+    def tracked_shutdown(self):
+        running.discard(self)
+        shutdown(self)
+
+    # NOTE: every shutdown inside the patch: atexit holds the (patched) bound method that shutdown unregisters
+    with mock.patch.object(Orchestrator, "__init__", tracked_init), \
+            mock.patch.object(Orchestrator, "shutdown", tracked_shutdown):
+        yield
+        for engine in list(running):
+            engine.shutdown()
+    for f in vars(request.module).values():
+        if isinstance(f, functools._lru_cache_wrapper) and f.__module__.startswith("test_"):
+            f.cache_clear()
 
 
 @pytest.fixture(scope="session")
