@@ -19,12 +19,13 @@ VOICES = ["Ethan", "Aiden", "Chelsie"]
 
 
 @contextlib.contextmanager
-def twins(d: Path, deploy: DeployConfig, placement: str, device: str = "cpu") -> Iterator[tuple[Omni, Omni]]:
-    """(the engine with `placement`, the local one), both shut down afterwards."""
+def twins(d: Path, deploy: DeployConfig, placement: str, device: str = "cpu",
+          local_deploy: DeployConfig | None = None) -> Iterator[tuple[Omni, Omni]]:
+    """(the engine with `placement`, the local one on `local_deploy`, default `deploy`), both shut down afterwards."""
     remote = local = None
     try:
         remote = Omni(d, deploy=deploy, device=device, placement=placement)
-        local = Omni(d, deploy=deploy, device=device)
+        local = Omni(d, deploy=local_deploy or deploy, device=device)
         yield remote, local
     finally:
         for o in (remote, local):

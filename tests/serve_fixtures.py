@@ -1,6 +1,6 @@
 """Server fixtures for tests/test_server_*.py, loaded as a plugin (`pytest_plugins`, never imported directly,
-so pytest can rewrite its asserts), so one pair of processes serves the whole session: `server` (no key,
-local media and loopback media URLs allowed) and the second of `servers` (--api-key KEY)."""
+so pytest can rewrite its asserts), each process started when a test first needs it and kept for the session:
+`server` (no key, local media from `media` and loopback media URLs allowed) and `keyed_server` (--api-key KEY)."""
 
 from __future__ import annotations
 
@@ -13,26 +13,31 @@ from serve_process import KEY, Server
 
 
 @pytest.fixture(scope="session")
-def servers(tmp_path_factory, tiny_dir):  # tiny_dir: the checkpoint is written before the servers look for it
-    tmp = tmp_path_factory.mktemp("serve")
-    media = tmp / "media"
-    media.mkdir()
-    sf.write(media / "tone.wav", 0.3 * np.sin(np.arange(32000) * 0.2), 16000)
-    main = Server(tmp / "main.log", "--allowed-local-media-path", str(media), "--allow-private-media-urls",
-                  "--stage-overrides", '{"thinker": {"max_batch_size": 8}}')
-    keyed = Server(tmp / "keyed.log", "--api-key", KEY)
+def media(tmp_path_factory):
+    """The folder `server` may read local media from: tone.wav."""
+    folder = tmp_path_factory.mktemp("media")
+    sf.write(folder / "tone.wav", 0.3 * np.sin(np.arange(32000) * 0.2), 16000)
+    return folder
+
+
+def started(tmp_path_factory, name: str, *args: str):
+    server = Server(tmp_path_factory.mktemp("serve") / f"{name}.log", *args)
     try:
-        main.wait_ready()
-        keyed.wait_ready()
-        yield main, keyed, media
+        server.wait_ready()
+        yield server
     finally:
-        main.stop()
-        keyed.stop()
+        server.stop()
 
 
 @pytest.fixture(scope="session")
-def server(servers) -> Server:
-    return servers[0]
+def server(tmp_path_factory, media, tiny_dir):  # tiny_dir: the checkpoint is written before the server looks
+    yield from started(tmp_path_factory, "main", "--allowed-local-media-path", str(media),
+                       "--allow-private-media-urls", "--stage-overrides", '{"thinker": {"max_batch_size": 8}}')
+
+
+@pytest.fixture(scope="session")
+def keyed_server(tmp_path_factory, tiny_dir):
+    yield from started(tmp_path_factory, "keyed", "--api-key", KEY)
 
 
 @pytest.fixture(scope="session")

@@ -39,9 +39,8 @@ TRANSCRIPT = "(omni.events['conversation.item.input_audio_transcription.complete
 
 @pytest.mark.skipif(CHROMIUM is None, reason="needs Debian's Chromium (apt-get install chromium)")
 @pytest.mark.skipif(find_spec("playwright") is None, reason="needs Playwright (the test extra)")
-def test_page_talks_to_the_model(servers, tmp_path):
+def test_page_talks_to_the_model(keyed_server, tmp_path):
     from playwright import sync_api
-    keyed = servers[1]
     args = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
             "--disable-background-networking", "--disable-component-update", "--disable-sync",
             "--use-fake-ui-for-media-stream", "--use-fake-device-for-media-stream",
@@ -56,7 +55,7 @@ def test_page_talks_to_the_model(servers, tmp_path):
             page = browser.new_page()
             page.on("websocket", lambda ws: (ws.on("framereceived", lambda f: count_audio(f, received)),
                                              ws.on("framesent", lambda f: image_sent(f, images))))
-            page.goto(keyed.url + "/")
+            page.goto(keyed_server.url + "/")
             sync_api.expect(page.locator("#status")).to_have_text("Enter the API key, then press Start.")
             page.fill("#key", KEY)
             page.set_input_files("#file", tmp_path / "notes.txt")

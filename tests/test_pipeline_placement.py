@@ -28,8 +28,8 @@ def deploy(d, n: int):
 @pytest.fixture(scope="module")
 def engines():
     d = tiny_checkpoint("tiny")
-    with twins(d, deploy(d, 2), "pipeline") as (remote, _), twins(d, deploy(d, 1), "local") as (local, _):
-        yield remote, local
+    with twins(d, deploy(d, 2), "pipeline", local_deploy=deploy(d, 1)) as pair:
+        yield pair
 
 
 def rows(o: Omni, before: dict) -> dict[str, int]:

@@ -135,8 +135,8 @@ def test_speech_whole_and_streamed(client, server):
     assert data[:4] == b"RIFF" and data[4:8] == b"\xff\xff\xff\xff" and data[44:] == expected.tobytes()
 
 
-def test_local_media_under_allowed_path(client, servers):
-    tone = servers[2] / "tone.wav"
+def test_local_media_under_allowed_path(client, media):
+    tone = media / "tone.wav"
     inline = {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone.read_bytes()).decode(),
                                                      "format": "wav"}}
     local = {"type": "audio_url", "audio_url": {"url": f"file://{tone}"}}

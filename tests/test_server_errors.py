@@ -92,16 +92,15 @@ def test_malformed_json(server):
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
 
 
-def test_api_key(servers):
-    keyed = servers[1]
+def test_api_key(keyed_server):
     body = {"messages": USER, "max_tokens": 2}
-    assert httpx.post(keyed.url + "/v1/chat/completions", json=body).status_code == 401
+    assert httpx.post(keyed_server.url + "/v1/chat/completions", json=body).status_code == 401
     wrong = {"Authorization": "Bearer nope"}
-    assert httpx.get(keyed.url + "/v1/models", headers=wrong).json()["error"]["code"] == "invalid_api_key"
-    client = openai.OpenAI(base_url=keyed.url + "/v1", api_key=KEY, max_retries=0)
+    assert httpx.get(keyed_server.url + "/v1/models", headers=wrong).json()["error"]["code"] == "invalid_api_key"
+    client = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
     reply = client.chat.completions.create(model=MODEL, messages=USER, max_tokens=2)
     assert reply.usage.completion_tokens == 2
-    assert httpx.get(keyed.url + "/health").status_code == 200
+    assert httpx.get(keyed_server.url + "/health").status_code == 200
 
 
 def aborts(server) -> int:

@@ -24,9 +24,9 @@ pytest_plugins = ["serve_fixtures"]
 
 
 @pytest.fixture(scope="module")
-def media_url(servers):
+def media_url(media):
     """An http server on loopback over the media folder (tone.wav)."""
-    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(servers[2]))
+    handler = functools.partial(SimpleHTTPRequestHandler, directory=str(media))
     handler.log_message = lambda *args: None
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
@@ -40,8 +40,8 @@ def ask(client: openai.OpenAI, *parts: dict, **extra):
                                                                                           "text": "What?"}]}])
 
 
-def test_audio_from_url_path_and_inline_agree(client, servers, media_url):
-    tone = servers[2] / "tone.wav"
+def test_audio_from_url_path_and_inline_agree(client, media, media_url):
+    tone = media / "tone.wav"
     inline = {"type": "input_audio", "input_audio": {"data": base64.b64encode(tone.read_bytes()).decode(),
                                                      "format": "wav"}}
     fetched = {"type": "audio_url", "audio_url": {"url": media_url + "/tone.wav"}}
@@ -83,13 +83,13 @@ def test_media_errors_are_400s_naming_the_item(client, part, needle):
     assert needle in message and "/etc" not in message and "127.0.0.1" not in message, message
 
 
-def test_too_many_items_and_private_urls(client, servers, media_url):
+def test_too_many_items_and_private_urls(client, server, keyed_server, media_url):
     assert "17 media items, more than 16 per request" in bad(client, *[{"type": "audio", "audio": "x"}] * 17)
-    keyed = openai.OpenAI(base_url=servers[1].url + "/v1", api_key=KEY, max_retries=0)
+    keyed = openai.OpenAI(base_url=keyed_server.url + "/v1", api_key=KEY, max_retries=0)
     message = bad(keyed, {"type": "audio_url", "audio_url": {"url": media_url + "/tone.wav"}})
     assert "private, loopback or link-local address (allowed only with --allow-private-media-urls)" in message
     assert "local files are not allowed" in bad(keyed, {"type": "audio", "audio": "tone.wav"})
-    assert httpx.get(servers[0].url + "/health").status_code == 200
+    assert httpx.get(server.url + "/health").status_code == 200
 
 
 def spoken(client: openai.OpenAI, *parts: dict, **extra):
@@ -119,14 +119,14 @@ def test_image_and_video_requests(client, media_url):
     assert "messages[0].content[0] (video): no audio track (use_audio_in_video needs one)" in message
 
 
-def test_real_repo_layout_serves_image_and_audio_in_text_and_audio_out(client, servers):
+def test_real_repo_layout_serves_image_and_audio_in_text_and_audio_out(client, server, media):
     """The server's tiny checkpoint is laid out as the released repo (vocab.json + merges.txt, the template in
     chat_template.json, one preprocessor_config.json): an image and an audio in, text and speech out."""
-    root = Path(httpx.get(servers[0].url + "/v1/models").json()["data"][0]["root"])
+    root = Path(httpx.get(server.url + "/v1/models").json()["data"][0]["root"])
     assert sorted(f.name for f in root.iterdir() if f.suffix != ".safetensors") == [
         "chat_template.json", "config.json", "generation_config.json", "merges.txt",
         "model.safetensors.index.json", "preprocessor_config.json", "tokenizer_config.json", "vocab.json"]
-    tone = base64.b64encode((servers[2] / "tone.wav").read_bytes()).decode()
+    tone = base64.b64encode((media / "tone.wav").read_bytes()).decode()
     text_only = spoken(client).usage.prompt_tokens
     image = {"type": "image_url", "image_url": {"url": data_url(png_bytes(64, 64), "image/png")}}
     both = spoken(client, image, {"type": "input_audio", "input_audio": {"data": tone, "format": "wav"}})

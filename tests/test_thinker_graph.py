@@ -25,7 +25,8 @@ BLOCK = 4  # small blocks: KV widths cross several buckets within a few dozen to
 @functools.cache
 def omni(graph: bool) -> Omni:
     d = tiny_checkpoint("tiny")
-    small = {"stages": {"thinker": {"block_size": BLOCK}}}
+    # NOTE: 4 MiB (1024 blocks), not 64: the spy copies the whole KV cache at every forward
+    small = {"stages": {"thinker": {"block_size": BLOCK, "kv_cache_memory": 1 << 22}}}
     cfg = load_deploy_config(default_deploy_config(d), platform="cpu", overrides=small)
     # NOTE: the deploy config refuses cuda_graph on the cpu platform; set past validation, it means
     # "runner on, graphs captured only on CUDA": the static-buffer path runs eagerly here.
