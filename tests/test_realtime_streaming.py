@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import io
+import time
 
+import httpx
 import numpy as np
 import soundfile as sf
 from serve_process import MODEL, samples
@@ -47,6 +49,7 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     pcm = silence(400) + long_speech_pcm()
     rows, prepared = "omnistage_realtime_streamed_prompt_rows_total", "omnistage_realtime_prepared_turns_total"
     before, prepared_before = counter(rt_server, rows), counter(rt_server, prepared)
+    phases_before = phase_totals(rt_server)
 
     async def main():
         async with client(rt_server).realtime.connect(model=MODEL) as conn:
@@ -65,11 +68,36 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
     assert len(clip) // 2 * 2 // 3 // 160 >= 1600  # two complete windows of 800 mel frames
     assert counter(rt_server, rows) - before == 2 * 104
     assert counter(rt_server, prepared) - prepared_before == 1  # prepared where the user paused: one row at close
+    assert_turn_phases(rt_server, phases_before)
     text, audio, response = answer(events)
     reply = chat(rt_server, wav_messages(clip, "Be brief."))
     assert chat_audio(reply) == (text, audio) and len(audio) == 2 * samples(4)
     assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
     assert_nothing_held(rt_server)
+
+
+def phase_totals(server) -> dict[str, dict[str, float]]:
+    from omnistage.bench.stage_stats import parse_phase_totals
+    return parse_phase_totals(httpx.get(server.url + "/metrics").text)
+
+
+def finished(totals: dict) -> float:
+    return totals.get("first_audio", {}).get("count", 0)
+
+
+def assert_turn_phases(server, before: dict) -> None:
+    """The turn's request (the one request that finished since `before`) reached turn_end (the VAD's
+    decision), close and closed (its closing piece sent) in that order, all before its first token."""
+    from omnistage.bench.stage_stats import phase_means
+    deadline = time.monotonic() + 5  # the metrics see the request just after response.done goes out
+    while finished(phase_totals(server)) == finished(before):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    after = phase_totals(server)
+    for phase in ("turn_end", "close", "closed", "first_token"):
+        assert after[phase]["count"] - before.get(phase, {}).get("count", 0) == 1, phase
+    means = phase_means(before, after)
+    assert means["thinker_start"] < means["turn_end"] <= means["close"] <= means["closed"] <= means["first_token"]
 
 
 def test_streamed_16k_audio_is_the_committed_clips():

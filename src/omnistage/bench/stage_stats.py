@@ -10,7 +10,7 @@ _COUNTER = re.compile(r'^omnistage_stage_(steps|busy_seconds|step_rows|graph_gpu
                       r'\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them
-PHASES = ("prompt", "encoded", "thinker_start", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio")
+PHASES = ("prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio")
 
 
 def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:

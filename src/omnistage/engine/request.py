@@ -16,8 +16,9 @@ from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 class Request:
     """`phases`: seconds from `arrival` (its construction; `AsyncOmni`: when it took the request, before its
     prompt was processed) to the first time the request reached each phase (`mark`: prompt (`AsyncOmni`),
-    encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio); the finishing
-    delta carries a copy. With remote replicas the stages mark their copies: `placement: process` merges those
+    encoded, thinker_start, first_token, talker_start, first_frame, code2wav_start, first_audio; a realtime
+    turn's open request also turn_end (server VAD's decision), close and closed (its closing piece sent), by
+    `StreamingPrompt.mark`); the finishing delta carries a copy. With remote replicas the stages mark their copies: `placement: process` merges those
     into the driver's request (one host, one clock); with Ray the driver's request has none."""
 
     request_id: str

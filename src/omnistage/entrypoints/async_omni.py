@@ -178,6 +178,10 @@ class StreamingPrompt:
         """Whether close found the whole prompt already sent by `prepare`."""
         return self.stream.closed_prepared
 
+    def mark(self, phase: str) -> None:
+        """`Request.mark` on the open request (e.g. "turn_end", where the session's VAD ended the turn)."""
+        self.stream.req.mark(phase)
+
     async def prepare(self, audio: np.ndarray) -> None:
         """The clip if the turn ends now (`PromptStream.prepare`), off the loop."""
         await asyncio.get_running_loop().run_in_executor(None, self.stream.prepare, audio)
@@ -191,9 +195,11 @@ class StreamingPrompt:
         if self.stream.req.aborted:
             return
         loop = asyncio.get_running_loop()
+        self.mark("close")
 
         async def start() -> int:
             await loop.run_in_executor(None, self.stream.close, audio)
+            self.mark("closed")
             n = len(self.stream.req.prompt.input_ids)
             self.omni.admission.add_tokens(n)
             return n

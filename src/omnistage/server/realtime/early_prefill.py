@@ -92,6 +92,11 @@ class EarlyPrefill:
         self._clip = end, asyncio.get_running_loop().create_future()
         self._run()
 
+    def turn_ended(self) -> None:
+        """Server VAD ended the turn now (the open request's "turn_end" phase)."""
+        if self._open is not None:
+            self._open.mark("turn_end")
+
     async def clip(self, end: int) -> np.ndarray | None:
         """The 16 kHz clip `prepare(buffer, end)` made (None: no such one), as pcm_to_16k gives it."""
         if self._clip is None or self._clip[0] != end:

@@ -123,6 +123,7 @@ class RealtimeSession:
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,
                                           item_id=item_id))
             decided = time.perf_counter()
+            self._early.turn_ended()
             try:
                 audio16k = await self._early.clip(at)
                 await self._commit(self._input.take_until(at), item_id, audio16k)
