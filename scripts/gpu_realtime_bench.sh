@@ -37,7 +37,7 @@ if has stagger; then
   "$PY" -m omnistage.cli bench "${RT[@]}" --concurrency 32 --clips question_2s --turns 6 --barge-in-every 3 \
     --warmup 0 --stagger-s "${BENCH_STAGGER_S:-10}"  # the later --concurrency wins
 fi
-if has 20s && (($(left) > 120)); then
+if has 20s && (($(left) > ${BENCH_20S_S:-120})); then  # its rows' time (120 s: 1 and 32 sessions)
   echo "[$((SECONDS - T0)) s] realtime, 20 s turns"
   "$PY" -m omnistage.cli bench "${RT[@]}" --clips question_20s --turns 2 --barge-in-every 0 --warmup 0
 fi

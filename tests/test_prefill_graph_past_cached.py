@@ -29,14 +29,17 @@ def _past_cached(model, runner, computed: list[int], lens: list[int], device: st
     return embeds, positions, tables
 
 
-@pytest.mark.parametrize("computed, lens", [([8, 0, 20], [5, 11, 3]), ([60], [1]), ([200], [16])])
+@pytest.mark.parametrize("computed, lens", [([8, 0, 20], [5, 11, 3]), ([60], [1]), ([200], [16]),
+                                            ([600, 400], [1, 1])])
 def test_rows_past_cached_ones_match_the_eager_forward(computed: list[int], lens: list[int]) -> None:
-    """A run past cached rows (a bucket of T rows reads up to 4 T of them: 200 cached take the 64-row
-    bucket for 16 new ones) equals the eager forward and writes only its new rows' slots and the scratch."""
+    """A run past cached rows (every bucket reads up to 4 x the largest's of them, so the new rows alone
+    choose it: 1 000 cached take the 16-row bucket for two one-row closes) equals the eager forward and writes
+    only its new rows' slots and the scratch."""
     stage = omni(True).engine.thinker
     runner, model = stage.prefill, stage.thinker.model
     assert runner.max_context == 4 * BUCKETS[-1] and runner.fits(lens, computed)
-    assert not runner.fits([1], [4 * BUCKETS[-1] + 1]) and runner._bucket(16, 200) == 64
+    assert not runner.fits([1], [4 * BUCKETS[-1] + 1]) and runner._bucket(16, 200) == 16
+    assert runner._bucket(2, 4 * BUCKETS[-1]) == 16 and runner._bucket(17, 1) == 32
     embeds, positions, tables = _past_cached(model, runner, computed, lens)
     before = kv(model).clone()
     hidden = runner.run(embeds, positions, lens, tables, computed=computed)[0].clone()

@@ -37,7 +37,7 @@ class StageConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = r.opt((), r.sizes)
     cuda_graph_capture_widths: tuple[int, ...] = r.opt((), r.sizes)  # KV blocks per row captured at start
     cuda_graph_prefill_tokens: tuple[int, ...] = r.opt((), r.sizes)  # token buckets of fresh-prompt prefill graphs
-    # prefill graphs again for rows past cached ones (thinker, talker), a bucket of T rows reading up to ratio x T
+    # prefill graphs again for rows past cached ones (thinker, talker), each reading up to ratio x the largest bucket
     cuda_graph_prefill_context_ratio: int = r.opt(0, r.non_negative_int)
     dtype: str = r.opt("bfloat16", r.dtype)
     stream_priority: int = r.opt(0, r.priority)  # CUDA stream priority of the stage's worker

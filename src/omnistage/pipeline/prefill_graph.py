@@ -3,8 +3,10 @@ eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
 An eager prefill launches each layer's ~25 kernels from Python (a thinker decode step profiles at 1 219 for
 48 layers), so under load a step that admits a request is mostly host time. Fresh prompts attend only to their
-own rows. With `context_ratio`, a second graph per bucket of T rows takes prompts past a cached prefix (or a
-chunk already prefilled), up to ratio x T cached rows in all: their packed context is prefix + new rows.
+own rows. With `context_ratio`, a second graph per bucket takes prompts past a cached prefix (or a chunk
+already prefilled), up to ratio x the largest bucket's rows cached in all, whatever its own bucket: their packed
+context is prefix + new rows. (A room of ratio x its own T padded 32 one-row closes of realtime turns, 600
+cached rows each, to the 4 096-row bucket: 40-56 ms steps on the H200 for what a 64-row run computes.)
 How a run's rows, padding included, map to sequences and KV slots: prefill_layout.py.
 """
 
@@ -35,7 +37,7 @@ class PrefillGraphRunner:
         one with the capture layer's rows as a second output (the thinker's multimodal prompts: the talker
         reads them), and with `deepstack_levels` one that also adds visual DeepStack rows: an index buffer and
         one row buffer per level, the rows past the step's added as zeros to row 0 (exact: x + 0 = x).
-        `context_ratio`: each of those again for rows past cached ones (up to ratio x the bucket's)."""
+        `context_ratio`: each of those again for rows past cached ones (up to ratio x the largest bucket's)."""
         self.forward, self.buckets, self.max_seqs = forward, sorted(token_buckets), max_seqs
         self.block_size, self.scratch, self.context_ratio = block_size, scratch_block, context_ratio
         rows = self.buckets[-1]
@@ -63,7 +65,7 @@ class PrefillGraphRunner:
         return self.groups(lens, computed) == [(0, len(lens))] and self._bucket(sum(lens), sum(computed)) is not None
 
     def _bucket(self, total: int, cached: int) -> int | None:
-        fits = (t for t in self.buckets if t >= total and cached <= self.context_ratio * t)
+        fits = (t for t in self.buckets if t >= total and cached <= self.max_context)
         return next(fits, None)
 
     def capture(self, with_capture_layer: bool = False) -> None:
@@ -150,7 +152,7 @@ class PrefillGraphRunner:
 
     def _room(self, key: Key) -> int:
         """Context rows a run of `key` reads past its bucket's (the cached ones)."""
-        return self.context_ratio * key[0] if key[3] else 0
+        return self.max_context if key[3] else 0  # NOTE: the gather reads it all: ~1 ms a thinker step
 
     def _forward(self, key: Key) -> tuple[torch.Tensor, torch.Tensor | None]:
         t, capture, visual, _ = key
