@@ -166,8 +166,9 @@ def _stage_lines(rows: list[dict]) -> list[str]:
 
 
 def _phase_lines(rows: list[dict]) -> list[str]:
-    """Mean phase times of the rows that have them."""
-    return _server_table(rows, "phases_ms", list(PHASES), lambda p: [[_cell(p, k, "{:.0f}") for k in PHASES]],
+    """Mean phase times of the rows that have them, in the phases some row reached (a realtime turn's too)."""
+    cols = [k for k in PHASES if any(k in (r.get("phases_ms") or {}) for r in rows)]
+    return _server_table(rows, "phases_ms", cols, lambda p: [[_cell(p, k, "{:.0f}") for k in cols]],
                          "TTFP's parts (server side: mean ms from the server's engine client taking the request to the "
                          "first time it reached each phase, over the row's finished requests):")
 

@@ -9,8 +9,11 @@ import re
 _COUNTER = re.compile(r'^omnistage_stage_(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays)_total'
                       r'\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
-# the engine's marks (engine/request.py), in the order a text + audio request reaches them
-PHASES = ("prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token", "talker_start", "first_frame", "code2wav_start", "first_audio")
+# the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
+# open request also reaches REALTIME_PHASES (between thinker_start and first_token)
+PHASES = ("prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token", "talker_start",
+          "first_frame", "code2wav_start", "first_audio")
+REALTIME_PHASES = ("turn_end", "close", "closed")
 
 
 def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
