@@ -3,7 +3,8 @@ and the response playing (player.py). Client events are handled one at a time, i
 response plays as its own task (response.py), so appends, cancels and barge-in are handled while it plays.
 
 Turns with server_vad: speech_started (cancels a playing response when interrupt_response) and
-speech_stopped from the session's TurnDetector; speech_stopped commits the audio from speech start (the
+speech_stopped from the session's TurnDetector, fed by a TurnFeed (turn_feed.py: appends do not wait for it;
+any other client event waits until the audio before it has been scored); speech_stopped commits the audio from speech start (the
 detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
 the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
 commit then commits those). A turn that server VAD will answer is prefilled while it is spoken
@@ -31,6 +32,7 @@ from omnistage.server.realtime.response import Emit
 from omnistage.server.realtime.settings import TurnDetection, initial, session_object, updated
 from omnistage.server.realtime.transcription import Transcriber
 from omnistage.server.realtime.transcripts import TranscriptStore
+from omnistage.server.realtime.turn_feed import TurnFeed
 from omnistage.server.realtime.vad import TurnDetector, TurnEvent
 from omnistage.server.metrics import ServerMetrics
 from omnistage.server.serving import EngineClient
@@ -61,7 +63,7 @@ class RealtimeSession:
         self.conversation = Conversation()
         self.closed = False
         self._input = InputAudioBuffer(ctx.max_buffer_bytes)
-        self._detector: TurnDetector | None = None
+        self._feed: TurnFeed | None = None  # the audio's way to server VAD (turn_feed.py)
         self._detector_base = 0  # the session sample where the detector's clock starts
         self._speech: str | None = None  # the item id of the speech going on
         self._early = EarlyPrefill(ctx.engine, ctx.voices, ctx.deploy, ctx.metrics, self.id)
@@ -75,6 +77,8 @@ class RealtimeSession:
     async def handle(self, data: str | bytes) -> None:
         """One client event; whatever is wrong with it becomes an `error` event (echoing its event_id)."""
         event, event_id, err = ev.parse_event(data)
+        if self._feed is not None and not isinstance(event, ev.AudioAppend):
+            await self._feed.drain()  # NOTE: any other event sees the turns of the audio appended before it
         try:
             if err is not None:
                 raise err
@@ -85,6 +89,8 @@ class RealtimeSession:
     async def close(self) -> None:
         """The socket is gone: stop the response (aborting its request), send nothing more."""
         self.closed = True
+        if self._feed is not None:
+            self._feed.close()
         await self._player.cancel("client_cancelled")
         await self._transcriber.close()
 
@@ -93,13 +99,19 @@ class RealtimeSession:
     async def _append(self, event: ev.AudioAppend) -> None:
         pcm = decode_pcm(event.audio, "audio")
         self._input.append(pcm)
-        if self._detector is None:
-            return
-        for turn in await self._detector.feed(np.frombuffer(pcm, "<i2")):
-            await self._on_turn(turn)
+        if self._feed is not None:
+            self._feed.push(np.frombuffer(pcm, "<i2"))
+
+    async def _fed(self, turns: list[TurnEvent], fed: int) -> None:
+        """Server VAD scored the audio up to `fed` samples past the detector's start and found `turns`."""
+        try:
+            for turn in turns:
+                await self._on_turn(turn)
+        except RealtimeError as e:
+            await self._emit(ev.error_event(e, None))
         if self._speech is None:
             padding = self.settings.audio.input.turn_detection.prefix_padding_ms
-            self._input.drop_until(self._input.end - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
+            self._input.drop_until(self._detector_base + fed - (padding + KEEP_MS) * SAMPLE_RATE // 1000)
         else:
             self._early.feed(self._input)
 
@@ -157,12 +169,12 @@ class RealtimeSession:
     async def _reset_turn(self) -> None:
         self._speech = None
         await self._early.abort()
-        if self._detector is not None:
-            self._detector.reset()
+        if self._feed is not None:
+            self._feed.reset()
 
     def _new_detector(self) -> None:
         vad = self.settings.audio.input.turn_detection
-        self._detector = None if vad is None else self.ctx.detector(vad)
+        self._feed = None if vad is None else TurnFeed(self.ctx.detector(vad), self._fed)
         self._detector_base, self._speech = self._input.end, None
 
     # -- session and conversation -------------------------------------------------------------------------
