@@ -59,4 +59,7 @@ class TurnFeed:
                 logger.exception("server VAD failed on a session's audio")
                 turns = []
             self.fed += pcm.size
-            await self.on_fed(turns, self.fed)
+            try:
+                await self.on_fed(turns, self.fed)
+            except Exception:  # NOTE: the session lives on (its handlers turn what they can into error events)
+                logger.exception("handling a session's turns failed")
