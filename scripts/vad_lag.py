@@ -1,9 +1,10 @@
-"""Server VAD beside busy Python threads: 32 sessions append 20 ms of speech every 20 ms for S seconds while K
-threads run Python DUTY of the time (stand-ins for the stage workers); prints how long after the last append the
-VAD had scored everything, with appends awaited one by one ("await") or through `TurnFeed` ("feed").
+"""Server VAD beside busy Python threads: 32 sessions append 20 ms of speech every 20 ms for S seconds while
+K threads run Python DUTY of the time (stand-ins for the stage workers); prints how long after the last append
+the VAD had scored everything, appends awaited one by one ("await") or through `TurnFeed` ("feed").
 
-    python scripts/vad_lag.py feed 3 10 0.6      # mode, K, S, DUTY; a 1 ms switch interval: a sitecustomize.py
-                                                 # with sys.setswitchinterval(0.001) on PYTHONPATH
+    python scripts/vad_lag.py feed 3 10 0.6    # mode, K, S, DUTY
+
+A 1 ms switch interval: a sitecustomize.py with sys.setswitchinterval(0.001) on PYTHONPATH.
 """
 
 from __future__ import annotations
@@ -69,5 +70,6 @@ if __name__ == "__main__":
         lags = asyncio.run(main(mode, s))
     finally:
         stop.set()
-    print(f"{mode}, {k} threads at {duty:.0%}, switch interval {sys.getswitchinterval() * 1e3:g} ms, {s:g} s: "
+    interval = sys.getswitchinterval() * 1e3
+    print(f"{mode}, {k} threads at {duty:.0%}, switch interval {interval:g} ms, {s:g} s: "
           f"lag after the last append mean {np.mean(lags) * 1e3:.0f} ms, max {np.max(lags) * 1e3:.0f} ms")

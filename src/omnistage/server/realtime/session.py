@@ -4,10 +4,11 @@ response plays as its own task (response.py), so appends, cancels and barge-in a
 
 Turns with server_vad: speech_started (cancels a playing response when interrupt_response) and
 speech_stopped from the session's TurnDetector, fed by a TurnFeed (turn_feed.py: appends do not wait for it;
-any other client event waits until the audio before it has been scored); speech_stopped commits the audio from speech start (the
-detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the audio after it stays in
-the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms + KEEP_MS of audio (a manual
-commit then commits those). A turn that server VAD will answer is prefilled while it is spoken
+any other client event waits until the audio before it has been scored); speech_stopped commits the audio
+from speech start (the detector's audio_start_ms already includes prefix_padding_ms) to speech end, and the
+audio after it stays in the buffer. While nobody speaks the buffer keeps only the last prefix_padding_ms +
+KEEP_MS of audio before what server VAD has scored (a manual commit then commits those). A turn that server
+VAD will answer is prefilled while it is spoken
 (early_prefill.py). Committed audio is transcribed beside its answer when the session asks (transcription.py).
 """
 
@@ -170,7 +171,7 @@ class RealtimeSession:
         self._speech = None
         await self._early.abort()
         if self._feed is not None:
-            self._feed.reset()
+            self._feed.detector.reset()  # NOTE: drained: every event but an append drains the feed first
 
     def _new_detector(self) -> None:
         vad = self.settings.audio.input.turn_detection
