@@ -2,9 +2,10 @@
 server; a text file is refused as an attachment and an image is attached; its fake microphone says a question,
 server VAD ends the turn and the page plays the answer (the image in the turn's prompt); the microphone speaks
 again while the answer plays: the page stops playback and truncates the answer to what was heard (when it had
-played all it got, the server's cancel alone cuts it), and the second answer plays. Then push-to-talk: the space bar held and let go commits the (silent) input and asks for
-a third answer. Every user turn gets its transcript line; the server's timings show beside the page's. Skips
-without Chromium (`apt-get install chromium`) or Playwright."""
+played all it got, the server's cancel alone cuts it), and the second answer plays. Then push-to-talk: the
+space bar held and let go commits the (silent) input and asks for a third answer. Every user turn gets its
+transcript line; the server's timings show beside the page's. Skips without Chromium (`apt-get install
+chromium`) or Playwright."""
 
 from __future__ import annotations
 
@@ -57,7 +58,12 @@ def test_page_talks_to_the_model(keyed_server, tmp_path):
                                              ws.on("framesent", lambda f: image_sent(f, images))))
             page.goto(keyed_server.url + "/")
             sync_api.expect(page.locator("#status")).to_have_text("Enter the API key, then press Start.")
+            start = page.locator("#start").bounding_box()
             page.fill("#key", KEY)
+            page.press("#key", "Tab")  # the model loads (name, voices, random-weights note): Start stays put
+            sync_api.expect(page.locator("#model")).to_have_text(MODEL)
+            sync_api.expect(page.locator("#random")).to_be_visible()
+            assert page.locator("#start").bounding_box() == start
             page.set_input_files("#file", tmp_path / "notes.txt")
             sync_api.expect(page.locator("#attach-note")).to_contain_text("notes.txt is not an image")
             page.set_input_files("#file", tmp_path / "red.png")  # sent at Start
@@ -90,8 +96,8 @@ def test_page_talks_to_the_model(keyed_server, tmp_path):
         finally:
             browser.close()
     assert omni["errors"] == []
-    # NOTE: on a slow machine the page may have played all it got of the first answer when the second turn cut it
-    # (the server cancelled the rest): nothing dropped, nothing for the page to truncate
+    # NOTE: on a slow machine the page may have played all it got of the first answer when the second turn cut
+    # it (the server cancelled the rest): nothing dropped, nothing for the page to truncate
     page_cut = omni["dropped"] > 0
     expected = {**SPEECH, "conversation.item.truncated": 1 if page_cut else None}
     assert {name: omni["events"].get(name) for name in SPEECH} == expected, omni
@@ -115,7 +121,7 @@ def test_page_talks_to_the_model(keyed_server, tmp_path):
     for _, text, item in lines[1::2]:
         said = omni["transcripts"][item].strip()
         assert re.fullmatch(re.escape(f"{said} " if said else "") + r"\(\d\.\d s of speech\)", text), text
-    assert all(texts[1::2]) and cut == ([texts[1]] if page_cut else [])  # the answers' transcripts; the first cut
+    assert all(texts[1::2]) and cut == ([texts[1]] if page_cut else [])  # answers' transcripts; the first cut
     # the client's timings of a turn: VAD decision (or the key let go) -> first audio; the answer's RTF
     for timed, n in ((vad_turn, second), (omni["lastTurn"], third)):
         assert timed["first_audio_ms"] > 0 and timed["rtf"] > 0 and timed["audio_s"] == n / 24000, timed
@@ -135,7 +141,8 @@ def wait_for(page, condition: str, timeout_ms: int) -> None:
     try:
         page.wait_for_function(condition, timeout=timeout_ms)
     except PlaywrightTimeout:
-        raise AssertionError(f"{condition} not within {timeout_ms} ms; events: "
+        raise AssertionError(f"{condition} not within {timeout_ms} ms; status: "
+                             f"{page.locator('#status').text_content()!r}, events: "
                              f"{page.evaluate('JSON.stringify(omni.events)')}, errors: "
                              f"{page.evaluate('JSON.stringify(omni.errors)')}") from None
 

@@ -20,7 +20,7 @@ async function loadModel() {
   const r = await fetch("/v1/models", { headers: headers() });
   if (!r.ok) throw new Error((await r.json()).error?.message || r.statusText);
   model = (await r.json()).data[0];
-  $("model").textContent = model.id;
+  $("model").textContent = $("model").title = model.id;
   $("random").hidden = !model.random_weights;
   $("voice").replaceChildren(...(model.voices || []).map((v) => new Option(v)));
 }
