@@ -3,8 +3,8 @@
 Each session's `TurnDetector` counts its 24 kHz pcm16 and hands it on once it completes a silero window
 (512 samples at 16 kHz: 32 ms); the `VadEngine`'s worker resamples all streams' audio to 16 kHz in one call a
 tick, cuts the windows, keeps every detector's recurrent state and runs, at most once per window period, one
-model call on the oldest pending window of every detector that has one (N sessions: one call per 32 ms, not
-N). The event loop only counts samples and awaits futures. Turns: turns.py.
+model call on the pending windows of every detector that has some (N sessions: one call per 32 ms, not N;
+silero.py). The event loop only counts samples and awaits futures. Turns: turns.py.
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
 
 from omnistage.server.realtime.resample import Audio24k, WindowedStream, ready, windows_many
+from omnistage.server.realtime.silero import CONTEXT, MAX_WINDOWS, STATE_SHAPE, WINDOW, Scorer, stack
 from omnistage.server.realtime.turns import RATE, ServerVad, TurnEvent, TurnState
 
 logger = logging.getLogger(__name__)
-WINDOW = 512  # samples at 16 kHz: 32 ms
-CONTEXT = 64  # samples of the previous window silero prepends
-STATE_SHAPE = (2, 128)  # silero's LSTM (h, c) per stream
 # NOTE: a call waits for every stream fed in the last ACTIVE_S (sessions streaming in real time) to have a
 # window, but no window waits longer than MAX_WAIT_S: N real-time sessions cost ~1 call per 32 ms, and a lone
 # one (or sessions sending faster than real time) waits not at all.
@@ -135,18 +132,14 @@ class VadEngine:
             job.windows, job.audio = windows, None
 
     def _run(self) -> None:
-        # NOTE: importing silero_vad calls torch.set_num_threads(1); with OpenMP that binds this thread only.
-        torch.set_num_threads(1)
-        from silero_vad import load_silero_vad
-
-        model = load_silero_vad()._model  # the stateless core: (context + window, state) -> (prob, state)
+        scorer = Scorer()
         while self._gather():
             try:
                 with self._cond:
                     heads = [(stream, stream.jobs[0]) for stream in self._pending]
                     self._resample(heads)
                 tick = {job for _, job in heads}  # NOTE: later arrivals wait for the next tick
-                while self._step(model, tick):
+                while self._step(scorer, tick):
                     pass
             except Exception as e:  # NOTE: fail the feeds waiting now; the worker lives on for later ones
                 logger.exception("server VAD step failed")
@@ -176,39 +169,29 @@ class VadEngine:
                     self._cond.wait()
             return False
 
-    def _step(self, model: torch.jit.ScriptModule, tick: set[_Job]) -> bool:
-        """One batched call on the next window of up to max_batch of the tick's jobs; False when they are done."""
+    def _step(self, scorer: Scorer, tick: set[_Job]) -> bool:
+        """One call on the next windows of up to max_batch of the tick's jobs; False when they are done."""
         with self._cond:
             batch = [(s, s.jobs[0]) for s in self._pending if s.jobs[0] in tick][:self.max_batch]
             if not batch:
                 return False
-            # NOTE: numpy, and one torch call: each torch op gives the GIL up, and taking it back waits
-            # out the switch interval while a stage thread runs Python (beside one such thread, 32
-            # detectors' torch ops scored ~80x slower than alone; built in numpy, ~3x faster than that)
-            x = np.stack([np.concatenate([s.context, j.windows[len(j.probs)]]) for s, j in batch])
-            state = np.stack([s.state for s, _ in batch], axis=1)
-        prob, state = _score(model, x, state)
+            batch.sort(key=lambda sj: len(sj[1].probs) - len(sj[1].windows))  # most windows left first
+            rows = stack([(s.context, s.state, j.windows[len(j.probs):len(j.probs) + MAX_WINDOWS])
+                          for s, j in batch])
+        probs, state = scorer(rows)
         with self._cond:
-            outs, done = zip(batch, prob.tolist(), x[:, -CONTEXT:], np.moveaxis(state, 1, 0)), []
-            for (stream, job), p, ctx, st in outs:
+            done = []
+            for b, ((stream, job), n) in enumerate(zip(batch, rows.counts)):
                 if not stream.jobs or stream.jobs[0] is not job:
                     continue  # dropped while the call ran
-                stream.context, stream.state = ctx, st
-                job.probs.append(p)
+                stream.context, stream.state = rows.context(b).copy(), state[:, b]
+                job.probs.extend(probs[:n, b].tolist())
                 if len(job.probs) == len(job.windows):
                     done.append(stream.jobs.popleft())
                     if not stream.jobs:
                         del self._pending[stream]
             _resolve(done)
         return True
-
-
-def _score(model: torch.jit.ScriptModule, x: np.ndarray, state: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """silero's core on a batch: windows with their context `[B, CONTEXT + WINDOW]`, states `[2, B, 128]` ->
-    speech probabilities `[B]` and the next states."""
-    with torch.inference_mode():
-        prob, state = model(torch.from_numpy(x), torch.from_numpy(state))
-    return prob.numpy()[:, 0], state.numpy()
 
 
 class TurnDetector:
