@@ -170,10 +170,15 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, AsyncOmni]:
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from omnistage.server.websocket import WebSocketProtocol
+
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build(args)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+        # NOTE: no permessage-deflate: it would save ~1/4 of base64 audio's bytes for zlib calls in the event
+        # loop, each giving the GIL up to the stage threads (websocket.py)
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info", ws=WebSocketProtocol,
+                    ws_per_message_deflate=False)
     finally:
         app.state.realtime_vad.close()
         engine.shutdown()
