@@ -1,5 +1,6 @@
 """Online Python API: many requests in flight, each an async iterator of output deltas. The engine
-runs in its own thread; deltas cross to the event loop through `call_soon_threadsafe`.
+runs in its own threads; deltas cross to the event loop through an `Outbox` (outbox.py: one
+`call_soon_threadsafe` for all that came since the loop last took them).
 
 Admission is bounded (deploy `max_waiting_requests`, `max_waiting_tokens`): a request waits from its
 arrival until it has produced every output it asked for (its first text, and its first audio when it
@@ -16,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from omnistage.entrypoints.outbox import Outbox
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineOverloaded
 from omnistage.pipeline.orchestrator import Orchestrator
@@ -60,6 +62,13 @@ class AsyncOmni:
         self.engine = Orchestrator(model, **engine_kwargs)
         deploy = self.engine.deploy
         self.admission = Admission(deploy.max_waiting_requests, deploy.max_waiting_tokens)
+        self._outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
+
+    def _outbox(self, loop: asyncio.AbstractEventLoop) -> Outbox:
+        if loop not in self._outboxes:
+            self._outboxes = {lp: box for lp, box in self._outboxes.items() if not lp.is_closed()}
+            self._outboxes[loop] = Outbox(loop)
+        return self._outboxes[loop]
 
     async def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                        talker_sampling: TalkerSamplingParams | None, voice: str | None,
@@ -70,13 +79,14 @@ class AsyncOmni:
         Raises EngineOverloaded (admission full) or ValueError (refused) before the first item."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
+        emit = self._outbox(loop).emitter(queue)
         self.admission.enter()
 
         async def start() -> int:
             received = time.perf_counter()
             req = await loop.run_in_executor(None, lambda: self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
-                sampling=sampling, talker_sampling=talker_sampling, emit=_emitter(loop, queue),
+                sampling=sampling, talker_sampling=talker_sampling, emit=emit,
                 use_audio_in_video=use_audio_in_video, session=session))
             req.arrival = received  # NOTE: its phases count from here, the prompt's processing (media) first
             req.mark("prompt")
@@ -116,11 +126,12 @@ class AsyncOmni:
         admission place now. Raises EngineOverloaded or ValueError (refused)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
+        emit = self._outbox(loop).emitter(queue)
         self.admission.enter()
         try:
             stream = await loop.run_in_executor(None, lambda: self.engine.open_request(
                 request_id, messages, want_audio=talker_sampling is not None, voice=voice, sampling=sampling,
-                talker_sampling=talker_sampling, emit=_emitter(loop, queue), session=session))
+                talker_sampling=talker_sampling, emit=emit, session=session))
         except BaseException:
             self.admission.leave(0)
             raise
@@ -214,13 +225,6 @@ class StreamingPrompt:
             self.omni.admission.leave(0)
         self.stream.req.aborted = True  # NOTE: also when it was never sent (`close` then sends nothing)
         self.omni.engine.abort(self.request_id)
-
-
-def _emitter(loop: asyncio.AbstractEventLoop, queue: asyncio.Queue[OutputDelta]) -> Any:
-    def emit(delta: OutputDelta) -> None:
-        loop.call_soon_threadsafe(queue.put_nowait, delta)
-
-    return emit
 
 
 def _produced(delta: OutputDelta, waiting_for: set[str]) -> bool:
