@@ -1,5 +1,5 @@
 """entrypoints/outbox.py: deltas from engine threads reach their queues all, in order, with one wakeup of the
-event loop for everything that came while it was not looking."""
+event loop for everything that came while it was busy."""
 
 from __future__ import annotations
 
@@ -21,7 +21,10 @@ def test_a_step_of_deltas_wakes_the_loop_once():
         loop.call_soon_threadsafe = lambda f, *a: (f == box._deliver and wakeups.append(f)) or threadsafe(f, *a)
         queues = [asyncio.Queue() for _ in range(64)]
         emits = [box.emitter(q) for q in queues]
-        await asyncio.to_thread(lambda: [emit(OutputDelta(f"r{i}", token_ids=[i])) for i, emit in enumerate(emits)])
+        # NOTE: the loop is busy meanwhile (joining here), as under load: nothing is taken mid-step
+        step = threading.Thread(target=lambda: [emit(OutputDelta(f"r{i}", token_ids=[i])) for i, emit in enumerate(emits)])
+        step.start()
+        step.join()
         await asyncio.sleep(0)
         got = [q.get_nowait().token_ids for q in queues]
         await asyncio.to_thread(emits[0], OutputDelta("r0", finished=True))  # the next step: a wakeup of its own

@@ -3,7 +3,7 @@ since it last took them, not one each.
 
 `loop.call_soon_threadsafe` writes to the loop's self-pipe on every call, a syscall that gives the GIL up; beside
 threads running Python, taking it back waits out the switch interval. A stage thread ending a step of 64 rows
-paid that 64 times (beside one busy Python thread: 86 ms for 64 calls, 0.02 ms for one call carrying them all).
+paid that 64 times (beside one busy Python thread: 86 ms for 64 calls; through the Outbox 0.13 ms, 1-1.6 wakeups).
 """
 
 from __future__ import annotations
