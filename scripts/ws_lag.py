@@ -4,6 +4,8 @@ base64 append every 20 ms for S seconds; prints the clients' round trip, for uvi
 ("uvicorn") or the server's (server/websocket.py: "ours"), with permessage-deflate on or off.
 
     python scripts/ws_lag.py uvicorn 1 1 8 0.9    # protocol, deflate, K, S, DUTY (the shipped server: ours 0)
+
+WS_LOOP=uvloop: uvicorn on uvloop (the server's loop where uvloop is installed; default here: asyncio's).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import base64
 import json
 import multiprocessing as mp
+import os
 import socket
 import sys
 import threading
@@ -47,7 +50,8 @@ def serve(port: int, protocol: str, deflate: bool, k: int, duty: float) -> None:
     for _ in range(k):
         threading.Thread(target=busy, args=(duty, stop), daemon=True).start()
     ws = WebSocketProtocol if protocol == "ours" else "websockets-sansio"
-    uvicorn.run(app, host="127.0.0.1", port=port, ws=ws, ws_per_message_deflate=deflate, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, ws=ws, ws_per_message_deflate=deflate, log_level="warning",
+                loop=os.environ.get("WS_LOOP", "asyncio"))
 
 
 async def clients(port: int, seconds: float) -> list[float]:

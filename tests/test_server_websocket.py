@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from importlib.util import find_spec
 
 import pytest
 import uvicorn
@@ -22,6 +23,20 @@ SIZE = 20_000  # bytes a message: one socket read (256 KiB at most) brings at mo
 PER_READ = 13
 
 
+class Socket:
+    """A transport (asyncio's or uvloop's, whose attributes are read-only) counting its pause_reading calls."""
+
+    def __init__(self, transport, protocol: type) -> None:
+        self.transport, self.protocol = transport, protocol
+
+    def __getattr__(self, name: str):
+        return getattr(self.transport, name)
+
+    def pause_reading(self) -> None:
+        self.protocol.pauses += 1
+        self.transport.pause_reading()
+
+
 def counting(base: type) -> type:
     """`base`, counting its socket's pause_reading calls; the last connection's protocol and socket kept."""
     class Counting(base):
@@ -29,14 +44,8 @@ def counting(base: type) -> type:
         last = None
 
         def connection_made(self, transport):
-            pause = transport.pause_reading
-
-            def counted():
-                type(self).pauses += 1
-                pause()
-            transport.pause_reading = counted
-            type(self).last, self.socket = self, transport
-            super().connection_made(transport)
+            type(self).last, self.socket = self, Socket(transport, type(self))
+            super().connection_made(self.socket)
     return Counting
 
 
@@ -59,17 +68,22 @@ def app(gate: threading.Event) -> FastAPI:
     return api
 
 
-@pytest.fixture(params=[WebSocketProtocol, WebSocketsSansIOProtocol], ids=["ours", "uvicorn"])
+LOOPS = ["asyncio"] + (["uvloop"] if find_spec("uvloop") else [])
+
+
+@pytest.fixture(params=[(p, loop) for p in (WebSocketProtocol, WebSocketsSansIOProtocol) for loop in LOOPS],
+                ids=lambda p: f"{'ours' if p[0] is WebSocketProtocol else 'uvicorn'}-{p[1]}")
 def served(request):
-    protocol, gate = counting(request.param), threading.Event()
+    base, loop = request.param
+    protocol, gate = counting(base), threading.Event()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app(gate), host="127.0.0.1", port=port, ws=protocol,
+    server = uvicorn.Server(uvicorn.Config(app(gate), host="127.0.0.1", port=port, ws=protocol, loop=loop,
                                            ws_per_message_deflate=False, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield f"ws://127.0.0.1:{port}/ws", protocol, gate, request.param is WebSocketProtocol
+    yield f"ws://127.0.0.1:{port}/ws", protocol, gate, base is WebSocketProtocol
     gate.set()
     server.should_exit = True
     thread.join(10)
