@@ -75,6 +75,9 @@ class Scorer:
         from silero_vad import load_silero_vad
 
         self._windows = torch.jit.script(_Windows(load_silero_vad()._model))
+        silent = np.zeros(WINDOW, np.float32)
+        for _ in range(3):  # NOTE: TorchScript optimises its graph over the first calls (60, 9, then 1 ms)
+            self(stack([(np.zeros(CONTEXT, np.float32), np.zeros(STATE_SHAPE, np.float32), [silent] * 2)]))
 
     def __call__(self, batch: Batch) -> tuple[np.ndarray, np.ndarray]:
         """Speech probabilities `[K, B]` and the rows' next states `[2, B, 128]`."""
