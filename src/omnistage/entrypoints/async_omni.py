@@ -64,11 +64,13 @@ class AsyncOmni:
         self.admission = Admission(deploy.max_waiting_requests, deploy.max_waiting_tokens)
         self._outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
 
-    def _outbox(self, loop: asyncio.AbstractEventLoop) -> Outbox:
+    def _channel(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue[OutputDelta], Any]:
+        """A request's delta queue on `loop`, and the `emit` the engine's threads fill it with."""
         if loop not in self._outboxes:
             self._outboxes = {lp: box for lp, box in self._outboxes.items() if not lp.is_closed()}
             self._outboxes[loop] = Outbox(loop)
-        return self._outboxes[loop]
+        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
+        return queue, self._outboxes[loop].emitter(queue)
 
     async def generate(self, request_id: str, messages: list[dict], sampling: SamplingParams,
                        talker_sampling: TalkerSamplingParams | None, voice: str | None,
@@ -78,8 +80,7 @@ class AsyncOmni:
         of the session's last request takes it). Aborts the request if the consumer stops early.
         Raises EngineOverloaded (admission full) or ValueError (refused) before the first item."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
-        emit = self._outbox(loop).emitter(queue)
+        queue, emit = self._channel(loop)
         self.admission.enter()
 
         async def start() -> int:
@@ -125,8 +126,7 @@ class AsyncOmni:
         the prompt before it is prefilled now, the audio's encoder windows as they complete. It takes its
         admission place now. Raises EngineOverloaded or ValueError (refused)."""
         loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[OutputDelta] = asyncio.Queue()
-        emit = self._outbox(loop).emitter(queue)
+        queue, emit = self._channel(loop)
         self.admission.enter()
         try:
             stream = await loop.run_in_executor(None, lambda: self.engine.open_request(

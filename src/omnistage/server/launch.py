@@ -175,8 +175,8 @@ def serve(args: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build(args)
     try:
-        # NOTE: no permessage-deflate: it would save ~1/4 of base64 audio's bytes for zlib calls in the event
-        # loop, each giving the GIL up to the stage threads (websocket.py)
+        # NOTE: no permessage-deflate: it saves a third of the bytes of base64 audio (34 % of 20 ms appends of
+        # speech) for zlib calls in the event loop, each giving the GIL up to the stage threads (websocket.py)
         uvicorn.run(app, host=args.host, port=args.port, log_level="info", ws=WebSocketProtocol,
                     ws_per_message_deflate=False)
     finally:

@@ -4,7 +4,8 @@ Each session's `TurnDetector` counts its 24 kHz pcm16 and hands it on once it co
 (512 samples at 16 kHz: 32 ms); the `VadEngine`'s worker resamples all streams' audio to 16 kHz in one call a
 tick, cuts the windows, keeps every detector's recurrent state and runs, at most once per window period, one
 model call on the pending windows of every detector that has some (N sessions: one call per 32 ms, not N;
-silero.py). The event loop only counts samples and awaits futures. Turns: turns.py.
+a backlog over silero.MAX_WINDOWS takes more). The event loop only counts samples and awaits futures.
+Turns: turns.py.
 """
 
 from __future__ import annotations
