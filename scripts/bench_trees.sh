@@ -2,7 +2,7 @@
 # Earlier commits' src/ for a same-call A/B on the GPU machine (a row that spreads between calls, as the realtime
 # rows' +-100 ms, ranks builds only within one call). Here, before the call:  scripts/bench_trees.sh SHA...
 # writes bench-trees/SHA/src (git archive) and bench-trees/py-SHA, a python3 that imports omnistage from it
-# (and, for a tree from before uvloop was a dependency, no uvloop: uvicorn runs asyncio's loop, as it did then);
+# (no uvloop is carried: every tree's uvicorn runs asyncio's loop);
 # bench-trees/ is ignored: carry it (carry [".whl-rt", "bench-trees"]). There, one server per tree:
 #   for v in SHA HEAD; do py=python3; [[ $v != HEAD ]] && py=$PWD/bench-trees/py-$v
 #     OMNISTAGE_COMMIT=$v BENCH_PYTHON=$py BENCH_VARIANT=$v OUT=$OUT/$v bash scripts/gpu_realtime_bench.sh; done
@@ -12,14 +12,8 @@ for sha in "$@"; do
   rm -rf "bench-trees/$sha"
   mkdir -p "bench-trees/$sha"
   git archive "$sha" src | tar -x -C "bench-trees/$sha"
-  path=src
-  if ! git show "$sha:pyproject.toml" | grep -q uvloop; then  # not its dependency: uvicorn's asyncio loop, as shipped then
-    mkdir -p "bench-trees/$sha/shadow"
-    echo 'raise ImportError("uvloop: not a dependency of this tree")' > "bench-trees/$sha/shadow/uvloop.py"
-    path=src:\$here/$sha/shadow
-  fi
-  printf '#!/bin/sh\nhere="$(cd "$(dirname "$0")" && pwd)"\nPYTHONPATH="$here/%s/%s${PYTHONPATH:+:$PYTHONPATH}" exec python3 "$@"\n' \
-    "$sha" "$path" > "bench-trees/py-$sha"
+  printf '#!/bin/sh\nhere="$(cd "$(dirname "$0")" && pwd)"\nPYTHONPATH="$here/%s/src${PYTHONPATH:+:$PYTHONPATH}" exec python3 "$@"\n' \
+    "$sha" > "bench-trees/py-$sha"
   chmod +x "bench-trees/py-$sha"
 done
 du -sh bench-trees

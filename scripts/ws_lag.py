@@ -5,7 +5,7 @@ base64 append every 20 ms for S seconds; prints the clients' round trip, for uvi
 
     python scripts/ws_lag.py uvicorn 1 1 8 0.9    # protocol, deflate, K, S, DUTY (the shipped server: ours 0)
 
-WS_LOOP=uvloop: uvicorn on uvloop (the server's loop where uvloop is installed; default here: asyncio's).
+WS_LOOP=uvloop: uvicorn on uvloop (default: asyncio's, the server's; uvloop halves the busy threads' steps).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from vad_lag import busy
 SESSIONS, APPEND = 32, 480  # 20 ms at 24 kHz
 
 
-def serve(port: int, protocol: str, deflate: bool, k: int, duty: float) -> None:
+def serve(port: int, protocol: str, deflate: bool, k: int, duty: float, steps) -> None:
     import uvicorn
 
     from omnistage.server.websocket import WebSocketProtocol
@@ -48,7 +48,7 @@ def serve(port: int, protocol: str, deflate: bool, k: int, duty: float) -> None:
 
     stop = threading.Event()
     for _ in range(k):
-        threading.Thread(target=busy, args=(duty, stop), daemon=True).start()
+        threading.Thread(target=busy, args=(duty, stop, steps), daemon=True).start()
     ws = WebSocketProtocol if protocol == "ours" else "websockets-sansio"
     uvicorn.run(app, host="127.0.0.1", port=port, ws=ws, ws_per_message_deflate=deflate, log_level="warning",
                 loop=os.environ.get("WS_LOOP", "asyncio"))
@@ -83,10 +83,17 @@ if __name__ == "__main__":
     with socket.socket() as free:
         free.bind(("127.0.0.1", 0))
         port = free.getsockname()[1]
-    server = mp.Process(target=serve, args=(port, protocol, deflate, k, duty), daemon=True)
+    steps = mp.Value("q", 0)
+    server = mp.Process(target=serve, args=(port, protocol, deflate, k, duty, steps), daemon=True)
     server.start()
     time.sleep(3)
+    n0 = steps.value
+    time.sleep(2)
+    alone = (steps.value - n0) / 2 / max(k, 1)
+    t0, n0 = time.perf_counter(), steps.value
     trips = np.array(asyncio.run(clients(port, s))) * 1e3
+    rate = (steps.value - n0) / (time.perf_counter() - t0) / max(k, 1)
     server.kill()
     print(f"{protocol}, deflate {int(deflate)}, {k} threads at {duty:.0%}: {trips.size} round trips, mean "
-          f"{trips.mean():.1f} ms, p90 {np.percentile(trips, 90):.1f}, max {trips.max():.0f}")
+          f"{trips.mean():.1f} ms, p90 {np.percentile(trips, 90):.1f}, max {trips.max():.0f}; "
+          f"{rate:.1f} steps/s a thread ({alone:.1f} before the clients came)")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from importlib.util import find_spec
 
 import pytest
 import uvicorn
@@ -24,7 +23,7 @@ PER_READ = 13
 
 
 class Socket:
-    """A transport (asyncio's or uvloop's, whose attributes are read-only) counting its pause_reading calls."""
+    """A transport counting its pause_reading calls."""
 
     def __init__(self, transport, protocol: type) -> None:
         self.transport, self.protocol = transport, protocol
@@ -68,17 +67,13 @@ def app(gate: threading.Event) -> FastAPI:
     return api
 
 
-LOOPS = ["asyncio"] + (["uvloop"] if find_spec("uvloop") else [])
-
-
-@pytest.fixture(params=[(p, loop) for p in (WebSocketProtocol, WebSocketsSansIOProtocol) for loop in LOOPS],
-                ids=lambda p: f"{'ours' if p[0] is WebSocketProtocol else 'uvicorn'}-{p[1]}")
+@pytest.fixture(params=[WebSocketProtocol, WebSocketsSansIOProtocol], ids=["ours", "uvicorn"])
 def served(request):
-    base, loop = request.param
+    base = request.param
     protocol, gate = counting(base), threading.Event()
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app(gate), host="127.0.0.1", port=port, ws=protocol, loop=loop,
-                                           ws_per_message_deflate=False, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app(gate), host="127.0.0.1", port=port, ws=protocol,
+                                           loop="asyncio", ws_per_message_deflate=False, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     while not server.started:
