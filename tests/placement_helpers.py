@@ -14,6 +14,7 @@ from omnistage.entrypoints.omni import ChatResult, Omni
 
 from graph_helpers import settle
 from test_engine import conv, greedy
+from test_prompt_stream import HISTORY, assert_same, speech, streamed, whole
 
 VOICES = ["Ethan", "Aiden", "Chelsie"]
 
@@ -75,3 +76,30 @@ def gpu_twins(placement: str) -> contextlib.AbstractContextManager[tuple[Omni, O
     cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
         "thinker": {**small, "kv_cache_memory": kv}, "talker": {**small, "kv_cache_memory": kv}, "code2wav": small}})
     return twins(d, cfg, placement, "cuda")
+
+
+def streamed_turn(remote: Omni, local: Omni, thinkers: list[str]) -> None:
+    """Streaming input across the process boundary: the turn's windows reach a thinker in another process and
+    are prefilled while it is spoken (`thinkers`: their stats' names). An earlier audio that ends off the hop
+    makes the turn's prefix inexact: at the pause the request starts over from the whole prompt, which goes with
+    the restarting piece (the far copy of the request starts from it), and closes with one row; the answer is
+    the whole clip's on the local engine (test_prompt_stream_history.py's case, local)."""
+    audio = speech()[:9 * 16000]
+    messages = [*HISTORY, {"role": "user", "content": [{"type": "audio", "audio": speech()[16000:56077]}, "Hi."]},
+                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
+    before = remote.engine.stats()
+
+    def steps() -> int:
+        after = remote.engine.stats()
+        return sum(after[t]["steps"] - before[t]["steps"] for t in thinkers)
+
+    def prefilled(_) -> int:
+        settle(lambda: check(steps() > 0), 30)
+        return steps()
+
+    out, stream, sent, early_steps = streamed(messages, np.concatenate([audio, np.zeros(4000, np.float32)]),
+                                              close_with=audio, paused=(len(audio),), o=remote,
+                                              before_close=prefilled)
+    assert_same(out, whole(messages, audio, local))
+    assert early_steps > 0 and stream.closed_prepared
+    assert [(p.restart, p.closed) for p in sent[-2:]] == [(True, False), (False, True)]

@@ -13,7 +13,7 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
 from graph_helpers import settle
-from placement_helpers import check, gpu_twins, run, start, twins
+from placement_helpers import check, gpu_twins, run, start, streamed_turn, twins
 
 KV = 16 << 20
 PIPELINES = ("pipeline0", "pipeline1")
@@ -76,6 +76,11 @@ def test_abort_mid_stream_frees_both_pipelines(engines) -> None:
         assert remote.engine.abort(f"abort{i}")
     settle(lambda: all_free(remote), 30)
     assert all(r.finish_reason is None for r in results)
+
+
+def test_a_spoken_turn_streams_into_its_pipeline_exactly(engines) -> None:
+    streamed_turn(*engines, [f"{p}.thinker" for p in PIPELINES])
+    settle(lambda: all_free(engines[0]), 30)
 
 
 def test_a_killed_pipeline_fails_only_its_requests_and_comes_back(engines) -> None:

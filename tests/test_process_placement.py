@@ -17,7 +17,7 @@ from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.placement import wire
 
 from graph_helpers import settle
-from placement_helpers import check, gpu_twins, run, same, start, twins
+from placement_helpers import check, gpu_twins, run, same, start, streamed_turn, twins
 from test_engine import conv, greedy
 
 KV = 16 << 20
@@ -53,6 +53,10 @@ def test_same_tokens_codes_and_audio_as_the_local_placement(engines) -> None:
         assert x.usage.completion_tokens == 8 and x.usage.audio_frames == (0 if y.codes is None else 15)
     settle(lambda: check(all(rows(remote, before).values())), 10)  # every process did part of the work
     assert sum(rows(remote, before)[f"talker{i}"] for i in (0, 1)) == 6 * 15
+
+
+def test_a_spoken_turn_streams_into_a_thinker_process_exactly(engines) -> None:
+    streamed_turn(*engines, ["thinker0", "thinker1"])
 
 
 def test_the_stages_phases_reach_the_request(engines) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -48,18 +49,19 @@ def user(text: str = "Answer me.") -> list[dict]:
     return [*HISTORY, {"role": "user", "content": text}]
 
 
-def whole(messages: list[dict], audio: np.ndarray) -> ChatResult:
+def whole(messages: list[dict], audio: np.ndarray, o: Omni | None = None) -> ChatResult:
     content = [{"type": "text", "text": messages[-1]["content"]}, {"type": "audio", "audio": audio}]
-    return omni().chat([*messages[:-1], {"role": "user", "content": content}], sampling=SAMPLING,
-                       talker_sampling=TALKER)
+    return (o or omni()).chat([*messages[:-1], {"role": "user", "content": content}], sampling=SAMPLING,
+                              talker_sampling=TALKER)
 
 
 def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | None = None,
-             paused: tuple[int, ...] = ()):
+             paused: tuple[int, ...] = (), o: Omni | None = None, before_close: Callable | None = None):
     """Opens, appends `audio` in pieces of 37 ms, 100 ms, 1.3 s (cycling), `prepare`s its first n samples
     once they are appended (n in `paused`: where the user paused), waits until the thinker has prefilled
-    what was sent, closes; returns (result, stream, pieces sent, rows prefilled before close)."""
-    o = omni().engine
+    what was sent (`before_close(stream)`, default `wait_prefilled`), closes; returns (result, stream, pieces
+    sent, rows prefilled before close)."""
+    o = (o or omni()).engine
     out, sent = ChatResult(), []
     stream = o.open_request("s-" + str(time.monotonic_ns()), messages, want_audio=True, voice="Ethan",
                             sampling=SAMPLING, talker_sampling=TALKER, emit=out.add)
@@ -73,7 +75,7 @@ def streamed(messages: list[dict], audio: np.ndarray, close_with: np.ndarray | N
         for end in paused:
             if at - n < end <= at:
                 stream.prepare(audio[:end])
-    prefilled = wait_prefilled(stream)
+    prefilled = (before_close or wait_prefilled)(stream)
     stream.close(close_with)
     o.wait([stream.req.request_id])
     return out, stream, sent, prefilled

@@ -123,7 +123,7 @@ class Orchestrator:
                                      session=session)
 
         return open_stream(self.processor, check_text(messages), make, self.routing.to_thinker,
-                           self.add_request, early=self.placement == "local")
+                           self.add_request)
 
     def stats(self) -> dict[str, dict[str, int]]:
         """Per stage: last step's batch size, queue depth, KV blocks in use / total, requests held and

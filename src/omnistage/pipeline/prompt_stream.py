@@ -220,16 +220,15 @@ class PromptStream:
 
 
 def open_stream(processor: PromptProcessor, messages: Messages, make: Callable[[Messages], Request],
-                send: Callable[[PromptPiece], None], submit: Callable[[Request], None], early: bool
-                ) -> PromptStream:
+                send: Callable[[PromptPiece], None], submit: Callable[[Request], None]) -> PromptStream:
     """`Orchestrator.open_request`: the request made with a silent stand-in for the streamed audio (so it is
-    refused now as the whole one would be), its prefix sent now when `early` (local placement)."""
+    refused now as the whole one would be), its prefix sent now (to a thinker in another process as well)."""
     audios = to_conversation(messages, processor.media_policy).audios
     # NOTE: the feature extractor pads every clip to the longest, and an earlier audio's features (even its
     # frame count) depend on whether it is padded: the stand-in is as long as the longest, so the prefix is
     # exact when the turn is no longer than that (a longer one is rebased where the user pauses, `prepare`).
     req = make(with_audio(messages, np.zeros(max(map(len, audios), default=16000), np.float32)))
-    prefix = prefix_prompt(processor, req.prompt) if early else None
+    prefix = prefix_prompt(processor, req.prompt)
     stream = PromptStream(processor, req, messages, prefix, send, make, submit)
     if prefix is not None:
         req.prompt, req.growing = prefix, True

@@ -178,9 +178,9 @@ def serve(args: argparse.Namespace) -> None:
         # NOTE: no permessage-deflate: it saves a third of the bytes of base64 audio (34 % of 20 ms
         # appends of speech) for zlib calls in the event loop, each giving the GIL up to the stage threads
         # (websocket.py).
-        # asyncio's loop, not uvloop: uvloop runs libuv without the GIL and takes it back for every callback
-        # (each socket's read, each batch of call_soon): beside the stage threads each one forced a switch;
-        # on the H200 64 idle realtime sessions cut a chat row's throughput by 39 % on uvloop.
+        # asyncio's loop, not uvloop: uvloop takes the GIL back for every libuv callback and measured no
+        # better on the H200 (a chat row beside 64 idle realtime sessions: 10.0 req/s on it, 11.1 without;
+        # benchmarks/HISTORY.md, 2026-12-04).
         uvicorn.run(app, host=args.host, port=args.port, log_level="info", ws=WebSocketProtocol,
                     ws_per_message_deflate=False, loop="asyncio")
     finally:

@@ -28,7 +28,7 @@ from omnistage.pipeline.orchestrator import Orchestrator
 from omnistage.pipeline.placement.local import Placement
 from omnistage.pipeline.placement.process import ProcessLink, run_host
 from omnistage.pipeline.placement.remote import RemoteStage
-from omnistage.pipeline.placement.replica_host import Event, request_copy
+from omnistage.pipeline.placement.replica_host import Event, renew, request_copy
 from omnistage.pipeline.placement.stage_handle import StageHandles
 
 
@@ -64,16 +64,26 @@ class PipelineHost:
         pass  # NOTE: the engine's workers started with it
 
     def handle(self, ops: list[tuple[str, str, dict[str, Any] | None, Any]]) -> None:
-        for op, request_id, spec, _ in ops:
+        """Requests (a spec), a growing prompt's pieces (a payload; a spec too when the prompt changed, see
+        `RemoteStage.add`) and aborts, in the driver's order."""
+        for op, request_id, spec, piece in ops:
             if op == "abort":
                 self.engine.abort(request_id)
-            elif spec is not None:
+                continue
+            req = self.engine.requests.get(request_id)
+            if req is None and spec is not None and piece is None:
                 self._add(request_id, spec)
+            elif req is not None:  # NOTE: else finished or aborted here meanwhile
+                if spec is not None:
+                    renew(req, spec)
+                self._try(request_id, self.engine.routing.to_thinker, replace(piece, request=req))
 
     def _add(self, request_id: str, spec: dict[str, Any]) -> None:
-        req = request_copy(spec, lambda d: self._emit(request_id, d))
+        self._try(request_id, self.engine.add_request, request_copy(spec, lambda d: self._emit(request_id, d)))
+
+    def _try(self, request_id: str, add: Callable[[Any], None], item: Any) -> None:
         try:
-            self.engine.add_request(req)
+            add(item)
         except Exception as e:  # NOTE: refused here (a dead stage): the request fails, as in a stage
             self.outbox.put(("fail", request_id, repr(e), None, None, None))
 

@@ -25,6 +25,7 @@ from omnistage.outputs import Usage
 from omnistage.pipeline.connector import Inbox
 from omnistage.pipeline.faults import EngineDeadError
 from omnistage.pipeline.placement.replica_host import Event, request_spec
+from omnistage.pipeline.thinker.growth import PromptPiece
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +94,7 @@ class RemoteStage:
             down = self.state != "up"
             if not (req.aborted or down):
                 spec = None
-                if self._opened.get(req.request_id) is not req:
+                if self._opened.get(req.request_id) is not req or _renews(payload):
                     self._opened[req.request_id] = req
                     spec = request_spec(req)
                 self._outgoing.put(("add", req.request_id, spec, payload))
@@ -222,6 +223,11 @@ def merge(req: Request, usage: Usage, finish_reason: str | None, phases: dict[st
         req.finish_reason = finish_reason
     for phase, t in (phases or {}).items():
         req.phases.setdefault(phase, t)
+
+
+def _renews(payload: Any) -> bool:
+    """A growing prompt's piece that closes or restarts it: the request's prompt changed (`PromptPiece`)."""
+    return isinstance(payload, PromptPiece) and (payload.closed or payload.restart)
 
 
 def build_remote(placement: str, *args: Any, **kwargs: Any) -> Any:

@@ -25,7 +25,7 @@ from omnistage.pipeline.placement.sizing import kv_shares
 from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 
 # The Request fields the stages read: a request's plain copy in a replica is built from these.
-SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio")
+SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio", "growing")
 
 # (kind, request id, payload, the copy's usage, its finish_reason, its phases or None: unchanged); kinds: "emit"
 # (an OutputDelta), "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead"
@@ -49,6 +49,12 @@ def request_copy(spec: dict[str, Any], emit: Callable[[Any], None]) -> Request:
     req = Request(**{f: spec[f] for f in SPEC_FIELDS}, emit=emit)
     req.arrival = spec["arrival"]
     return req
+
+
+def renew(req: Request, spec: dict[str, Any]) -> None:
+    """A copy's prompt from a later spec: a growing request's, sent again with the piece that closes or
+    restarts it (`RemoteStage.add`), which the thinker reads from the request (`PromptPiece`)."""
+    req.prompt, req.growing = spec["prompt"], spec["growing"]
 
 
 def to_cpu(payload: Any) -> Any:
@@ -111,12 +117,15 @@ class ReplicaHost:
                 self.add(request_id, spec, payload)
 
     def add(self, request_id: str, spec: dict[str, Any] | None, payload: Any) -> None:
-        """`spec` comes with a request's first payload to this replica; `payload` None: the request itself."""
+        """`spec` comes with a request's first payload to this replica (and again when its prompt changed);
+        `payload` None: the request itself."""
         req = self.requests.get(request_id)
         if req is None:
             if spec is None:
                 return  # NOTE: this replica is done with it (a talker that ended before the thinker did)
             req = self._open(spec)
+        elif spec is not None:
+            renew(req, spec)
         self.stage.add(req if payload is None else replace(payload, request=req))
 
     def abort(self, request_id: str) -> None:
