@@ -93,8 +93,9 @@ def streamed_turn(remote: Omni, local: Omni, thinkers: list[str]) -> None:
         after = remote.engine.stats()
         return sum(after[t]["steps"] - before[t]["steps"] for t in thinkers)
 
-    def prefilled(_) -> int:
+    def prefilled(stream) -> int:
         settle(lambda: check(steps() > 0), 30)
+        stream.req.mark("turn_end")  # NOTE: as the realtime session marks it, in this process
         return steps()
 
     out, stream, sent, early_steps = streamed(messages, np.concatenate([audio, np.zeros(4000, np.float32)]),
@@ -102,4 +103,7 @@ def streamed_turn(remote: Omni, local: Omni, thinkers: list[str]) -> None:
                                               before_close=prefilled)
     assert_same(out, whole(messages, audio, local))
     assert early_steps > 0 and stream.closed_prepared
+    # the finishing delta's phases: this process's mark and the far stages' (one host, one clock), in order
+    order = ["turn_end", "first_token", "talker_start", "first_frame", "first_audio"]
+    assert set(order) <= set(out.phases) and sorted(order, key=out.phases.get) == order
     assert [(p.restart, p.closed) for p in sent[-2:]] == [(True, False), (False, True)]

@@ -22,6 +22,7 @@ class ChatResult:
     sample_rate: int = SAMPLE_RATE
     finish_reason: str | None = None
     usage: Usage | None = None
+    phases: dict[str, float] | None = None  # seconds from arrival to each phase the request reached
 
     def add(self, delta: OutputDelta) -> None:
         self.text += delta.text
@@ -30,7 +31,7 @@ class ChatResult:
             self.audio = delta.audio if self.audio is None else np.concatenate([self.audio, delta.audio])
             self.codes = delta.codes if self.codes is None else np.concatenate([self.codes, delta.codes], 1)
         if delta.finished:
-            self.finish_reason, self.usage = delta.finish_reason, delta.usage
+            self.finish_reason, self.usage, self.phases = delta.finish_reason, delta.usage, delta.phases
 
 
 def _per_request(value: Any, n: int, name: str) -> list[Any]:

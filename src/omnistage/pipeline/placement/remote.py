@@ -203,6 +203,9 @@ class RemoteStage:
         try:
             merge(req, usage, finish_reason, phases)
             if kind == "emit":
+                if payload.phases is not None:  # NOTE: a pipeline's finishing delta: its copy's and ours
+                    merge(req, Usage(), None, payload.phases)
+                    payload = replace(payload, phases=dict(req.phases))
                 req.emit(payload)
             elif kind == "part_done":
                 req.part_done()
