@@ -10,6 +10,7 @@ import base64
 import io
 import re
 import time
+from collections.abc import Iterator
 from importlib.resources import files
 from pathlib import Path
 
@@ -28,16 +29,26 @@ VAD = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {"type"
                                                                          "silence_duration_ms": 300}}}}
 
 
-@pytest.fixture(scope="session")
-def rt_server(tmp_path_factory, tiny_dir):
+def realtime_server(tmp_path_factory, *args: str) -> Iterator[Server]:
     log = tmp_path_factory.mktemp("realtime") / "rt.log"
     server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20",
-                    "--deploy-overrides", '{"realtime_streaming_input": true}')
+                    "--deploy-overrides", '{"realtime_streaming_input": true}', *args)
     try:
         server.wait_ready()
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def rt_server(tmp_path_factory, tiny_dir):
+    yield from realtime_server(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def rt_pipeline_server(tmp_path_factory, tiny_dir):
+    """The stages in a worker process of their own (`placement: pipeline`, one pipeline)."""
+    yield from realtime_server(tmp_path_factory, "--placement", "pipeline")
 
 
 def to_pcm(wav: np.ndarray, rate: int) -> bytes:
@@ -125,8 +136,10 @@ def shape(events: list) -> list[str]:
 
 
 def gauges(server, name: str) -> dict[str, float]:
+    """{stage: value}, a one-pipeline server's `pipeline0.<stage>` as `<stage>` (`placement: pipeline`)."""
     text = httpx.get(server.url + "/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'{name}\{{stage="(\w+)"\}} (\S+)', text)}
+    found = re.finditer(rf'{name}\{{stage="(?:pipeline0\.)?(\w+)"\}} (\S+)', text)
+    return {m.group(1): float(m.group(2)) for m in found}
 
 
 def assert_nothing_held(server) -> None:

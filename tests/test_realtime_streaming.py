@@ -10,6 +10,7 @@ import time
 
 import httpx
 import numpy as np
+import pytest
 import soundfile as sf
 from serve_process import MODEL, samples
 from realtime_helpers import (MANUAL, TURN, answer, append, assert_nothing_held, b64, chat, chat_audio,
@@ -41,11 +42,13 @@ LONG_TURN = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
     "type": "server_vad", "silence_duration_ms": 1000}}}}
 
 
-def test_long_spoken_turn_prefilled_while_spoken_equals_chat(rt_server):
+@pytest.mark.parametrize("placement", ["local", "pipeline"])
+def test_long_spoken_turn_prefilled_while_spoken_equals_chat(request, placement: str):
     """A 17.5 s turn sent in 20-40 ms appends: its request is opened at speech start and its two complete
     encoder windows (104 rows each) are prefilled before the turn ends (and kept), the rest where the silence
     began; the answer is that of the committed clip through chat completions (same transcript, audio bytes
-    and usage)."""
+    and usage). With `placement: pipeline` the stages run in a worker process: the same."""
+    rt_server = request.getfixturevalue("rt_server" if placement == "local" else "rt_pipeline_server")
     pcm = silence(400) + long_speech_pcm()
     rows, prepared = "omnistage_realtime_streamed_prompt_rows_total", "omnistage_realtime_prepared_turns_total"
     before, prepared_before = counter(rt_server, rows), counter(rt_server, prepared)
