@@ -136,10 +136,8 @@ def shape(events: list) -> list[str]:
 
 
 def gauges(server, name: str) -> dict[str, float]:
-    """{stage: value}, a one-pipeline server's `pipeline0.<stage>` as `<stage>` (`placement: pipeline`)."""
     text = httpx.get(server.url + "/metrics").text
-    found = re.finditer(rf'{name}\{{stage="(?:pipeline0\.)?(\w+)"\}} (\S+)', text)
-    return {m.group(1): float(m.group(2)) for m in found}
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'{name}\{{stage="(\w+)"\}} (\S+)', text)}
 
 
 def assert_nothing_held(server) -> None:

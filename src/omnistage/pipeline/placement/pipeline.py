@@ -7,7 +7,7 @@ H200, three stage processes gave 22.0 req/s at c = 64 against 27.9 in threads, b
 
 The serving process holds a `remote.RemoteStage` per pipeline, as it would a thinker replica: its router picks
 the pipeline (least loaded, a session's last one); a pipeline whose process dies fails its requests and is
-started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...).
+started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...; one pipeline's as `thinker`, ...).
 """
 
 from __future__ import annotations
