@@ -1,5 +1,6 @@
 """Server CPU of idle realtime sessions: N sessions stream silence in APPEND_MS appends to a running server;
-prints the server process's CPU seconds per wall second (Linux /proc).
+prints the CPU seconds per wall second of the server process and of each of its child processes (a pipeline's
+worker with `placement: pipeline`; Linux /proc).
 
 usage: python scripts/realtime_idle_cost.py ws://127.0.0.1:8091 SERVER_PID [N] [APPEND_MS]"""
 
@@ -18,6 +19,12 @@ import websockets
 def cpu_seconds(pid: int) -> float:
     fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def processes(pid: int) -> list[int]:
+    """The server and its children."""
+    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+    return [pid, *map(int, children)]
 
 
 async def session(url: str, append_ms: int, stop: asyncio.Event) -> None:
@@ -43,12 +50,15 @@ async def main(url: str, pid: int, n: int, append_ms: int) -> None:
     stop = asyncio.Event()
     tasks = [asyncio.create_task(session(url, append_ms, stop)) for _ in range(n)]
     await asyncio.sleep(3)
-    c0, t0 = cpu_seconds(pid), time.perf_counter()
+    pids = processes(pid)
+    c0, t0 = [cpu_seconds(p) for p in pids], time.perf_counter()
     await asyncio.sleep(10)
-    c1, t1 = cpu_seconds(pid), time.perf_counter()
+    c1, t1 = [cpu_seconds(p) for p in pids], time.perf_counter()
     stop.set()
     await asyncio.gather(*tasks, return_exceptions=True)
-    print(f"server CPU: {(c1 - c0) / (t1 - t0):.2f} cores for {n} idle sessions at {append_ms} ms appends")
+    cores = [(b - a) / (t1 - t0) for a, b in zip(c0, c1)]
+    children = "".join(f", child {p} {c:.2f}" for p, c in zip(pids[1:], cores[1:]))
+    print(f"server CPU: {cores[0]:.2f} cores{children} for {n} idle sessions at {append_ms} ms appends")
 
 
 if __name__ == "__main__":
