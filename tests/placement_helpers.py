@@ -79,14 +79,16 @@ def gpu_twins(placement: str) -> contextlib.AbstractContextManager[tuple[Omni, O
 
 
 def streamed_turn(remote: Omni, local: Omni, thinkers: list[str]) -> None:
-    """Streaming input across the process boundary: the turn's windows reach a thinker in another process and
-    are prefilled while it is spoken (`thinkers`: their stats' names). An earlier audio that ends off the hop
-    makes the turn's prefix inexact: at the pause the request starts over from the whole prompt, which goes with
-    the restarting piece (the far copy of the request starts from it), and closes with one row; the answer is
-    the whole clip's on the local engine (test_prompt_stream_history.py's case, local)."""
+    """Streaming input across the process boundary: the turn's prefix and windows go to a thinker in another
+    process while it is spoken, which runs steps on them before close (`thinkers`: their stats' names). An
+    earlier audio that ends off the hop makes the turn's prefix inexact: at the pause the request starts over
+    from the whole prompt, which goes with the restarting piece (the far copy of the request starts from it),
+    and closes with one row; the answer is the whole clip's on the local engine (the local case:
+    test_prompt_stream_history.py)."""
     audio = speech()[:9 * 16000]
-    messages = [*HISTORY, {"role": "user", "content": [{"type": "audio", "audio": speech()[16000:56077]}, "Hi."]},
-                {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And this?"}]
+    earlier = {"role": "user", "content": [{"type": "audio", "audio": speech()[16000:56077]}, "Hi."]}
+    messages = [*HISTORY, earlier, {"role": "assistant", "content": "Hello."},
+                {"role": "user", "content": "And this?"}]
     before = remote.engine.stats()
 
     def steps() -> int:
