@@ -53,9 +53,9 @@ bench_variant() {
   stop_server
 }
 
-# The deploy config as shipped (BENCH_DEPLOY_CONFIG: a layout name such as 80gb on an H100; BENCH_DEPLOY_OVERRIDES:
-# top-level keys, e.g. '{"mm_processor_workers": 8}'); should it fail its smoke request, the newest graphs go first,
-# then all graphs.
+# The deploy config as shipped (BENCH_DEPLOY_CONFIG: a layout name such as 80gb on an H100;
+# BENCH_DEPLOY_OVERRIDES: top-level keys, e.g. '{"mm_processor_workers": 8}'); should it fail its smoke
+# request, the newest graphs go first, then all graphs.
 NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
 start_main_server() {
   for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do

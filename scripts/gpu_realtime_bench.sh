@@ -7,8 +7,9 @@
 #   2. a 20 s turn at 1 and 32 sessions, 2 turns each (end-of-turn latency against the 2 s turn's);
 #   3. a chat row (P=160, c=16) alone, then the same row beside 64 idle realtime sessions (decode cost).
 # BENCH_RT_ROWS picks rows ("2s stagger 20s chat"; default all), BENCH_VARIANT labels them (one server of an A/B:
-# BENCH_STAGE_OVERRIDES), BENCH_TESTS runs those GPU tests first (into $OUT/pytest.log), BENCH_PYSPY=1 records the
-# server's processes with py-spy during the chat row beside idle sessions ($OUT/pyspy-idle{,-gil}.txt, raw stacks).
+# BENCH_STAGE_OVERRIDES), BENCH_TESTS runs those GPU tests first (into $OUT/pytest.log), BENCH_PYSPY=1
+# records the server's processes with py-spy during the chat row beside idle sessions
+# ($OUT/pyspy-idle{,-gil}.txt, raw stacks).
 # Wheels as scripts/gpu_bench.sh (silero-vad and websockets among them):  scripts/gpu_bench.sh prepare
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_realtime_bench.sh
 # Small scale on the CPU (~4 min):
@@ -27,12 +28,12 @@ read -ra ROWS <<< "${BENCH_RT_ROWS:-2s stagger 20s chat}"
 has() { [[ " ${ROWS[*]} " == *" $1 "* ]]; }
 
 SESSIONS=${BENCH_SESSIONS:-1,32}
-pyspy() {  # py-spy (a carried wheel: /tmp/site/bin) of the server and its worker processes: all threads, then the GIL's
+pyspy() {  # py-spy (a carried wheel) of the server and its worker processes: all threads, then the GIL's
   local bin; bin=$(command -v py-spy || echo /tmp/site/bin/py-spy)
+  local rec=("$bin" record -p "$SERVER" --subprocesses -r 100 -d 10 -f raw --nonblocking)
   sleep "$((ROW_S > 40 ? (ROW_S - 20) / 2 : 5))"
-  "$bin" record -p "$SERVER" --subprocesses -r 100 -d 10 -f raw -o "$OUT/pyspy-$1.txt" --nonblocking > /dev/null 2>&1
-  "$bin" record -p "$SERVER" --subprocesses -r 100 -d 10 -f raw --gil -o "$OUT/pyspy-$1-gil.txt" --nonblocking \
-    > /dev/null 2>&1 || echo "py-spy failed" >&2
+  "${rec[@]}" -o "$OUT/pyspy-$1.txt" > /dev/null 2>&1
+  "${rec[@]}" --gil -o "$OUT/pyspy-$1-gil.txt" > /dev/null 2>&1 || echo "py-spy failed" >&2
 }
 RT=(--realtime --base-url "$URL" --random-weights --max-frames "${BENCH_FRAMES:-80}" --concurrency "$SESSIONS"
     --output-dir "$OUT" ${BENCH_VARIANT:+--variant "$BENCH_VARIANT"})

@@ -22,9 +22,9 @@ def cpu_seconds(pid: int) -> float:
 
 
 def processes(pid: int) -> list[int]:
-    """The server and its children."""
-    children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-    return [pid, *map(int, children)]
+    """The server and its children (started by any of its threads)."""
+    tasks = os.listdir(f"/proc/{pid}/task")
+    return [pid, *(int(c) for t in tasks for c in open(f"/proc/{pid}/task/{t}/children").read().split())]
 
 
 async def session(url: str, append_ms: int, stop: asyncio.Event) -> None:

@@ -7,7 +7,8 @@ H200, three stage processes gave 22.0 req/s at c = 64 against 27.9 in threads, b
 
 The serving process holds a `remote.RemoteStage` per pipeline, as it would a thinker replica: its router picks
 the pipeline (least loaded, a session's last one); a pipeline whose process dies fails its requests and is
-started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...; one pipeline's as `thinker`, ...).
+started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...; one pipeline's as `thinker`,
+...).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ class PipelineHost:
                 self._try(request_id, self.engine.routing.to_thinker, replace(piece, request=req))
 
     def _add(self, request_id: str, spec: dict[str, Any]) -> None:
-        self._try(request_id, self.engine.add_request, request_copy(spec, lambda d: self._emit(request_id, d)))
+        req = request_copy(spec, lambda d: self._emit(request_id, d))
+        self._try(request_id, self.engine.add_request, req)
 
     def _try(self, request_id: str, add: Callable[[Any], None], item: Any) -> None:
         try:

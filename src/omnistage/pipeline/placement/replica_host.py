@@ -25,7 +25,8 @@ from omnistage.pipeline.placement.sizing import kv_shares
 from omnistage.pipeline.placement.stage_handle import kv_capacity, worker_stats
 
 # The Request fields the stages read: a request's plain copy in a replica is built from these.
-SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio", "growing")
+SPEC_FIELDS = ("request_id", "prompt", "sampling", "talker_sampling", "seed", "voice", "want_audio",
+               "growing")
 
 # (kind, request id, payload, the copy's usage, its finish_reason, its phases or None: unchanged); kinds: "emit"
 # (an OutputDelta), "part_done", "next" (a payload for the next stage, its request stripped), "fail" and "dead"

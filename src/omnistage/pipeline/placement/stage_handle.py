@@ -115,11 +115,11 @@ class StageHandles:
         return getattr(self.thinkers[0], "talker_kv_capacity", None) if self.thinkers else None
 
     def stats(self) -> dict[str, dict[str, int | float]]:
-        """By replica name; a pipeline's handle (`placement: pipeline`) nests its stages' (`pipeline<i>.<stage>`;
-        with one pipeline, `<stage>` as in the local placement)."""
-        out = {}
+        """By replica name; a pipeline's handle (`placement: pipeline`) nests its stages'
+        (`pipeline<i>.<stage>`; with one pipeline, `<stage>` as in the local placement)."""
+        out, nested = {}, len(self.thinkers) > 1
         for h in self:
-            s, nest = h.stats(), f"{h.name}." if len(self.thinkers) > 1 else ""
+            s, nest = h.stats(), f"{h.name}." if nested else ""
             inner = {nest + k: {**v, "restarts": s["restarts"]} for k, v in s.get("stages", {}).items()}
             out.update(inner or {h.name: s})
         return out
