@@ -1,0 +1,37 @@
+"""scripts/step_trace_summary.py on a hand-made two-stage trace: the step statistics and the burst window."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).parents[1] / "scripts" / "step_trace_summary.py"
+
+
+def _module():
+    spec = importlib.util.spec_from_file_location("step_trace_summary", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _write(path: Path, steps: list[tuple[float, float, int, int]]) -> None:
+    lines = [json.dumps({"t": t, "ms": ms, "rows": r, "tokens": n}) for t, ms, r, n in steps]
+    path.write_text("".join(line + "\n" for line in lines))
+
+
+def test_summary_and_burst_window(tmp_path, capsys, monkeypatch):
+    _write(tmp_path / "talker.jsonl", [(10.0, 10.0, 4, 4), (10.02, 40.0, 6, 60), (10.07, 20.0, 6, 6)])
+    _write(tmp_path / "thinker.jsonl", [(9.9, 5.0, 2, 2), (10.01, 8.0, 2, 300), (10.5, 5.0, 2, 2)])
+    mod = _module()
+    steps = mod.load(tmp_path)
+    assert [mod.prefill_rows(s) for s in steps["talker"]] == [0, 54, 0]
+    assert mod.wall_stats(steps["talker"]) == "n 3 mean 23.3 p50 20.0 p90 40.0 max 40.0"
+    assert mod.wall_stats([]) == "-"
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path), "--bursts", "1", "--before", "15", "--after", "60"])
+    mod.main()
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == "talker    all: n 3 mean 23.3 p50 20.0 p90 40.0 max 40.0"
+    assert "talker step with 54 prefill rows at t = 10.020:" in out
+    window = out[out.index("talker step with 54 prefill rows at t = 10.020:") + 1:]
+    assert [line.split()[0] for line in window] == ["-10.0", "+0.0", "+50.0"]  # not 10.5: past --after
+    assert window[0].endswith("thinker       8.0 ms  rows   2  extra 298")
