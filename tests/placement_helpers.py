@@ -73,8 +73,11 @@ def gpu_twins(placement: str) -> contextlib.AbstractContextManager[tuple[Omni, O
 
     torch.cuda.empty_cache()  # NOTE: memory this process keeps cached counts as another process's to its children
     d, small, kv = tiny_checkpoint("tiny"), {"cuda_graph": False, "dtype": "float32"}, 16 << 20
-    cfg = load_deploy_config(default_deploy_config(d), platform="cuda", overrides={"stages": {
-        "thinker": {**small, "kv_cache_memory": kv}, "talker": {**small, "kv_cache_memory": kv}, "code2wav": small}})
+    stages = {"thinker": {**small, "kv_cache_memory": kv}, "talker": {**small, "kv_cache_memory": kv},
+              "code2wav": small}
+    # NOTE: the twin is local whatever the default file's placement
+    cfg = load_deploy_config(default_deploy_config(d), platform="cuda",
+                             overrides={"placement": "local", "stages": stages})
     return twins(d, cfg, placement, "cuda")
 
 

@@ -183,7 +183,8 @@ def omni_cuda() -> Omni:
     cfg = load_deploy_config(default_deploy_config(d), platform="cuda", stage_overrides={
         name: {"block_size": BLOCK, "kv_cache_memory": 2**26, "cuda_graph_batch_sizes": [1, 2, 4],
                "cuda_graph_capture_widths": [], "cuda_graph_prefill_tokens": list(BUCKETS)}
-        for name in ("thinker", "talker", "code2wav")})
+        for name in ("thinker", "talker", "code2wav")},
+        overrides={"placement": "local"})  # the tests read its stages in this process
     return Omni(d, deploy=cfg, device="cuda")
 
 
