@@ -9,6 +9,7 @@
 #   2 + CUDA graphs   3 + async chunk   4 + async output
 #   5 + omnistage's own (packet growth, stream priorities): the shipped deploy config
 #   6 the shipped config without the fused kernels (OMNISTAGE_FUSED_OPS=0): what they add
+#   7 the shipped config with the stages in a worker process of their own (placement: pipeline)
 # BENCH_VARIANTS picks some ("1 2"; default all). At full size one call (600 s) holds 1 alone, or 2-6: run it in
 # parts, each with BENCH_RESUME=FILE (an earlier part's results.json, carried) so that the last part's file holds
 # them all.
@@ -25,10 +26,12 @@ DEFAULT_BUDGET=540
 SERIAL='"async_chunk": false, "async_output": false'
 FIXED='"connector": {"codec_chunk_growth": false}'
 EQUAL='"code2wav": {"stream_priority": 0}'
-NAMES=("" "batch" "+ CUDA graphs" "+ async chunk" "+ async output" "+ omnistage's own" "shipped, no fused kernels")
+NAMES=("" "batch" "+ CUDA graphs" "+ async chunk" "+ async output" "+ omnistage's own" "shipped, no fused kernels"
+       "shipped, placement: pipeline")
 STAGES=("" "{\"thinker\": {\"cuda_graph\": false}, \"talker\": {\"cuda_graph\": false}, \"code2wav\": {\"cuda_graph\": false, \"stream_priority\": 0}}"
-        "{$EQUAL}" "{$EQUAL}" "{$EQUAL}" "" "")
-DEPLOYS=("" "{$SERIAL, $FIXED}" "{$SERIAL, $FIXED}" "{\"async_output\": false, $FIXED}" "{$FIXED}" "" "")
+        "{$EQUAL}" "{$EQUAL}" "{$EQUAL}" "" "" "")
+DEPLOYS=("" "{$SERIAL, $FIXED}" "{$SERIAL, $FIXED}" "{\"async_output\": false, $FIXED}" "{$FIXED}" "" ""
+         '{"placement": "pipeline"}')
 read -ra PICK <<< "${BENCH_VARIANTS:-1 2 3 4 5 6}"
 read_aloud_rows "${BENCH_ABLATION_C:-16,32,64}" "${BENCH_K:-10}"
 todo=${#PICK[@]}
