@@ -10,13 +10,15 @@ stop_server() {
 }
 trap stop_server EXIT
 # start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
+# (BENCH_DEPLOY_CONFIG: a packaged layout such as 80gb, for an H100)
 start_server() {
   local log=$1
   shift
   local trace=${BENCH_STEP_TRACE:+$OUT/trace-$(basename "$log" .log)}  # OMNISTAGE_STEP_TRACE per server
   [[ -n $trace ]] && mkdir -p "$trace"
   OMNISTAGE_STEP_TRACE=$trace "$PY" -m omnistage.cli serve "$MODEL" --host 127.0.0.1 --port "$PORT" --load-format dummy \
-    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} "$@" > "$log" 2>&1 &
+    ${BENCH_DEVICE:+--device "$BENCH_DEVICE"} ${BENCH_DEPLOY_CONFIG:+--deploy-config "$BENCH_DEPLOY_CONFIG"} "$@" \
+    > "$log" 2>&1 &
   SERVER=$!
   for ((i = 0; i < ${BENCH_START_TIMEOUT:-300}; i++)); do
     if "$PY" -c "import httpx,sys; sys.exit(httpx.get('$URL/health').status_code != 200)" 2>/dev/null; then
@@ -53,14 +55,12 @@ bench_variant() {
   stop_server
 }
 
-# The deploy config as shipped (BENCH_DEPLOY_CONFIG: a layout name such as 80gb on an H100;
-# BENCH_DEPLOY_OVERRIDES: top-level keys, e.g. '{"mm_processor_workers": 8}'); should it fail its smoke
-# request, the newest graphs go first, then all graphs.
+# The deploy config as shipped (BENCH_DEPLOY_OVERRIDES: top-level keys, e.g. '{"mm_processor_workers": 8}');
+# should it fail its smoke request, the newest graphs go first, then all graphs.
 NO_GRAPHS='{"thinker": {"cuda_graph": false}, "talker": {"cuda_graph": false}, "code2wav": {"cuda_graph": false}}'
 start_main_server() {
   for overrides in "${BENCH_STAGE_OVERRIDES:-}" '{"code2wav": {"cuda_graph": false}}' "$NO_GRAPHS"; do
     start_server "$OUT/server.log" ${overrides:+--stage-overrides "$overrides"} \
-      ${BENCH_DEPLOY_CONFIG:+--deploy-config "$BENCH_DEPLOY_CONFIG"} \
       ${BENCH_DEPLOY_OVERRIDES:+--deploy-overrides "$BENCH_DEPLOY_OVERRIDES"} && return 0
     cp "$OUT/server.log" "$OUT/server-failed-$((SECONDS - T0)).log"
   done
