@@ -1,16 +1,22 @@
 """RemoteStage (the driver's handle of a replica in another process) over a fake link: adds and aborts reach
 the replica in order, batched (one call per batch that queued while the previous call was made, not one per
-payload); a replica that dies fails the requests it held, only them, and is built again."""
+payload); a growing prompt's features cross once; a replica that dies fails the requests it held, only them,
+and is built again."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import torch
+
 from omnistage.engine.request import Request
+from omnistage.models.qwen3_omni.media_keys import MediaKeys
 from omnistage.models.qwen3_omni.prompt import PromptInputs
-from omnistage.pipeline.placement import remote
+from omnistage.pipeline.placement import remote, wire
 from omnistage.pipeline.placement.remote import RemoteStage
+from omnistage.pipeline.placement.replica_host import renew, request_copy
+from omnistage.pipeline.thinker.growth import PromptPiece
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
 from graph_helpers import settle
@@ -71,6 +77,33 @@ def test_adds_and_aborts_arrive_in_order_batched() -> None:
     assert [(op, rid) for op, rid, _, _ in ops] == sent  # every op, in the order made
     assert sum(spec is not None for _, _, spec, _ in ops) == 10  # a request's plain copy goes once
     assert len(link.batches) < len(sent) // 4  # batched: far fewer calls than payloads
+
+
+def test_a_growing_prompt_crosses_whole_when_opened_or_restarted_only_keys_when_closed() -> None:
+    link = SlowLink()
+    stage = RemoteStage(link, "thinker", ("thinker", 0), None, lambda *a: None, lambda rid: None)
+    stage._sender.start()
+    keys = [MediaKeys((bytes([k]),) * (k + 1), (), (), ()) for k in range(3)]
+    req = request(0)
+    req.prompt, req.growing = PromptInputs([1, 2, 3], torch.randn(1, 128, 800), media_keys=keys[0]), True
+    opened = req.prompt
+    stage.add(req)
+    req.prompt, req.growing = PromptInputs([1, 2, 3, 4], torch.randn(2, 128, 800), media_keys=keys[1]), False
+    stage.add(PromptPiece(req, 3, [4], closed=True))  # the prepared close: one id
+    req.prompt = PromptInputs([1, 2, 3, 5], torch.randn(2, 128, 800), media_keys=keys[2])
+    stage.add(PromptPiece(req, 0, [], closed=True, restart=True))
+    settle(lambda: check(sum(map(len, link.batches)) == 3), 10)
+    stage._stopping = True
+    (_, _, spec0, _), (_, _, close, _), (_, _, restart, _) = [op for batch in link.batches for op in batch]
+    assert close == {"growing": False, "media_keys": keys[1]}
+    assert len(wire.dumps(close)) < 200 < 409_600 < len(wire.dumps(restart))  # 800 frames x 128 mels x 4 B
+    copy = request_copy(spec0, lambda d: None)
+    renew(copy, close)  # what its thinker admitted (or will, before the pieces), with the whole prompt's keys
+    assert (copy.prompt.input_ids, copy.prompt.media_keys, copy.growing) == ([1, 2, 3], keys[1], False)
+    assert torch.equal(copy.prompt.input_features, opened.input_features)
+    renew(copy, restart)
+    assert copy.prompt.input_ids == [1, 2, 3, 5]
+    assert torch.equal(copy.prompt.input_features, req.prompt.input_features)
 
 
 def check(flag: bool) -> None:

@@ -94,9 +94,9 @@ class RemoteStage:
             down = self.state != "up"
             if not (req.aborted or down):
                 spec = None
-                if self._opened.get(req.request_id) is not req or _renews(payload):
+                if (first := self._opened.get(req.request_id) is not req) or _renews(payload):
                     self._opened[req.request_id] = req
-                    spec = request_spec(req)
+                    spec = request_spec(req, whole=first or payload.restart)
                 self._outgoing.put(("add", req.request_id, spec, payload))
         if down and not req.aborted:  # NOTE: routed here as it went down: it fails rather than waits forever
             self.on_error(EngineDeadError(f"stage {self.name} is {self.state}"), [req])

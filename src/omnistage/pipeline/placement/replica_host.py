@@ -40,8 +40,11 @@ def build_order(replicas: list[tuple[str, int, str]]) -> list[tuple[str, int, st
     return sorted(replicas, key=lambda r: rank[r[0]])
 
 
-def request_spec(req: Request) -> dict[str, Any]:
-    """The fields, and the driver's `arrival` (the copy's phases count from it)."""
+def request_spec(req: Request, whole: bool = True) -> dict[str, Any]:
+    """The fields, and the driver's `arrival` (the copy's phases count from it); not `whole`: only what a
+    closing piece changes in a copy that has the request (`renew`)."""
+    if not whole:
+        return {"growing": req.growing, "media_keys": req.prompt.media_keys}
     return {**{f: getattr(req, f) for f in SPEC_FIELDS}, "arrival": req.arrival}
 
 
@@ -54,8 +57,11 @@ def request_copy(spec: dict[str, Any], emit: Callable[[Any], None]) -> Request:
 
 def renew(req: Request, spec: dict[str, Any]) -> None:
     """A copy's prompt from a later spec: a growing request's, sent again with the piece that closes or
-    restarts it (`RemoteStage.add`), which the thinker reads from the request (`PromptPiece`)."""
-    req.prompt, req.growing = spec["prompt"], spec["growing"]
+    restarts it (`RemoteStage.add`), which the thinker reads from the request (`PromptPiece`). A closing
+    piece's spec brings only the whole prompt's media keys (its prefix hashes'): the copy keeps the prompt its
+    thinker admitted, or will admit before the pieces that bring the rest; never the features again (MBs)."""
+    req.prompt = spec["prompt"] if "prompt" in spec else replace(req.prompt, media_keys=spec["media_keys"])
+    req.growing = spec["growing"]
 
 
 def to_cpu(payload: Any) -> Any:
@@ -122,7 +128,7 @@ class ReplicaHost:
         `payload` None: the request itself."""
         req = self.requests.get(request_id)
         if req is None:
-            if spec is None:
+            if spec is None or "prompt" not in spec:
                 return  # NOTE: this replica is done with it (a talker that ended before the thinker did)
             req = self._open(spec)
         elif spec is not None:
