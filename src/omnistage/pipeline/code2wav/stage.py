@@ -70,6 +70,7 @@ class Code2WavStage(AsyncOutputStep):
             self.runner = Code2WavGraphRunner(self.streamer, sizes, *self.schedule)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
+        self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
         self.max_batch_size = max_batch_size
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
@@ -79,6 +80,7 @@ class Code2WavStage(AsyncOutputStep):
         self.inbox.put(chunk)
 
     def abort(self, request_id: str) -> None:
+        self.waiting.pop(request_id, None)
         seq = self.seqs.pop(request_id, None)
         if seq is not None:
             # NOTE: a chunk of it may still run; the slot's next stream zeroes the slot's state
@@ -91,23 +93,34 @@ class Code2WavStage(AsyncOutputStep):
 
     def stats(self) -> dict[str, int]:
         queued = sum(len(s.pending) for s in list(self.seqs.values()))
-        return dict(batch_size=self.last_batch, queue_depth=queued)
+        waiting = sum(len(chunks) for chunks in list(self.waiting.values()))
+        return dict(batch_size=self.last_batch, queue_depth=queued + waiting)
 
     def _receive(self) -> None:
+        """New chunks to their requests' streams, or to `waiting` for a request that has no slot yet."""
         for chunk in self.inbox.drain():
             rid = chunk.request.request_id
             if chunk.request.aborted:
                 continue
-            if rid not in self.seqs:
-                if len(self.seqs) >= self.max_batch_size:
-                    self.inbox.put(chunk)  # NOTE: no free stream slot yet; retried next step, order kept per request
-                    continue
-                self.seqs[rid] = WavSeq(chunk.request, self.streamer.open())
-            seq = self.seqs[rid]
-            if chunk.finished:
-                seq.done = True
+            if rid in self.seqs:
+                self._take(self.seqs[rid], chunk)
             else:
-                seq.pending.append(arrive(chunk.frame, self.device))
+                self.waiting.setdefault(rid, []).append(chunk)
+
+    def _admit(self) -> None:
+        """Waiting requests into the free stream slots, the longest waiting first."""
+        while self.waiting and len(self.seqs) < self.max_batch_size:
+            rid = next(iter(self.waiting))
+            chunks = self.waiting.pop(rid)
+            seq = self.seqs[rid] = WavSeq(chunks[0].request, self.streamer.open())
+            for chunk in chunks:
+                self._take(seq, chunk)
+
+    def _take(self, seq: WavSeq, chunk: FrameChunk) -> None:
+        if chunk.finished:
+            seq.done = True
+        else:
+            seq.pending.append(arrive(chunk.frame, self.device))
 
     def _target(self, seq: WavSeq) -> int:
         return packet_frames(seq.state.frames, *self.schedule)
@@ -116,6 +129,7 @@ class Code2WavStage(AsyncOutputStep):
         self._receive()
         for seq in [s for s in self.seqs.values() if s.ended]:  # its last chunk emitted in an earlier step
             self.faults.run(seq.req, self._finish, seq)
+        self._admit()
         ready = [s for s in self.seqs.values() if s.pending and (len(s.pending) >= self._target(s) or s.done)]
         # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks.
         ready = [s for s in ready if s.state.frames == 0] or ready
