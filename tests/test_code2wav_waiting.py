@@ -28,6 +28,7 @@ def test_requests_past_the_slots_wait_in_order_without_waking_the_stage() -> Non
     assert list(st.seqs) == [r.request_id for r in reqs[:MAX_BATCH]]
     assert list(st.waiting) == [r.request_id for r in reqs[MAX_BATCH:]]
     assert not wake.is_set() and st.inbox.drain() == []  # nothing put back: the worker sleeps until new input
+    assert st.num_active == MAX_BATCH + 3
     st.add(FrameChunk(reqs[-1], frame()))  # a waiting request's later chunk joins its earlier one
     st.step()
     assert [len(c) for c in st.waiting.values()] == [1, 1, 2] and st.stats()["queue_depth"] >= 4

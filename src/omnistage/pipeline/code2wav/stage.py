@@ -89,7 +89,7 @@ class Code2WavStage(AsyncOutputStep):
 
     @property
     def num_active(self) -> int:
-        return len(self.seqs)
+        return len(self.seqs) + len(self.waiting)
 
     def stats(self) -> dict[str, int]:
         queued = sum(len(s.pending) for s in list(self.seqs.values()))
