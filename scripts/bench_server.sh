@@ -1,6 +1,11 @@
 # Sourced by scripts/gpu_bench.sh and scripts/gpu_realtime_bench.sh (after PY, MODEL, PORT, URL, OUT, T0 are set):
 # start_server LOG [serve flags], stop_server, and start_main_server (the shipped deploy config, with fallbacks).
 SERVER=
+# the default layout needs more than an 80 GB card: on one (an H100) its layout, unless BENCH_DEPLOY_CONFIG is set
+if [[ -z ${BENCH_DEPLOY_CONFIG+set} && -z ${BENCH_DEVICE:-} ]] && command -v nvidia-smi > /dev/null; then
+  (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)) &&
+    BENCH_DEPLOY_CONFIG=80gb && echo "a GPU of < 100 GB: --deploy-config 80gb"
+fi
 stop_server() {
   [[ -n $SERVER ]] || return 0
   kill "$SERVER" 2>/dev/null
