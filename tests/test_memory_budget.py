@@ -154,6 +154,12 @@ def test_the_80gb_layout_fits_an_80gb_card_with_the_real_weights():
     assert need == {"thinker": 257, "talker": 386}  # 2048 + 2048 tokens; 2048 + 9 + 4096 rows; + 1 padding
     at_90 = plan_kv("cuda:0", mem, 0.9, [*paged, code2wav], 4 * GiB)
     assert [p.num_blocks * 16 for p in at_90] == [9536, 11456]  # what 0.95 rather than 0.90 buys
+    # an H100 measured 7.60 GiB (2026-12-05: 12 416 thinker tokens), 1 GiB of it the encoder caches at 512 MiB
+    measured = int(7.60 * GiB) - 2 * 512 * MiB
+    at_512, ours = (plan_kv("cuda:0", mem, cfg.gpu_memory_utilization, [*paged, code2wav], measured + 2 * mb * MiB)
+                    for mb in (512, cfg.encoder_cache_mb))
+    assert [p.num_blocks * 16 for p in at_512] == [12688, 15216]  # its log: 12 416, 14 896
+    assert [p.num_blocks * 16 for p in ours] == [19232, 23088]  # this file's encoder_cache_mb: 128
 
 
 def test_the_log_names_the_capacity_the_engine_refuses_past(tiny_dir, caplog):
