@@ -92,10 +92,10 @@ class Code2WavGraphRunner:
         return [wav[r, :full - (n - codes.shape[-1]) * per_frame] for r, (_, codes) in enumerate(group)]
 
     def capture(self) -> None:
-        """Capture now (on CUDA) every (batch bucket, chunk shape) graph, largest batch first: the shapes
-        are fixed, so none is left for the first requests to pay."""
+        """Capture now (on CUDA) every (batch bucket, chunk shape) graph, largest batch and chunk first (the
+        graphs share one memory pool): the shapes are fixed, so none is left for the first requests to pay."""
         for b in reversed(self.batch_sizes):
-            for shape in self.codes:
+            for shape in sorted(self.codes, reverse=True):  # NOTE: longest first: the rest reuse its freed blocks
                 self._capture(b, shape)
 
     def _capture(self, b: int, shape: Shape) -> None:
