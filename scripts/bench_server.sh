@@ -3,8 +3,9 @@
 SERVER=
 # the default layout needs more than an 80 GB card: on one (an H100) its layout, unless BENCH_DEPLOY_CONFIG is set
 if [[ -z ${BENCH_DEPLOY_CONFIG+set} && -z ${BENCH_DEVICE:-} ]] && command -v nvidia-smi > /dev/null; then
-  (($(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1) < 100000)) &&
-    BENCH_DEPLOY_CONFIG=80gb && echo "a GPU of < 100 GB: --deploy-config 80gb"
+  GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1)
+  [[ $GPU_MIB =~ ^[0-9]+$ ]] && ((GPU_MIB < 100000)) && BENCH_DEPLOY_CONFIG=80gb &&
+    echo "a GPU of $GPU_MIB MiB: --deploy-config 80gb"
 fi
 stop_server() {
   [[ -n $SERVER ]] || return 0
