@@ -10,9 +10,10 @@
 #   5 + omnistage's own (packet growth, stream priorities): the shipped deploy config
 #   6 the shipped config without the fused kernels (OMNISTAGE_FUSED_OPS=0): what they add
 #   7 the shipped config with the stages in a worker process of their own (placement: pipeline)
-# BENCH_VARIANTS picks some ("1 2"; default all). At full size one call (600 s) holds 1 alone, or 2-6: run it in
-# parts, each with BENCH_RESUME=FILE (an earlier part's results.json, carried) so that the last part's file holds
-# them all.
+# BENCH_VARIANTS picks some ("1 2"; default all); BENCH_STAGE_OVERRIDES (JSON) goes to the servers of rows
+# without stage overrides of their own, 5-7 (a layout's A/B, e.g. '{"talker": {"max_batch_size": 64}}').
+# At full size one call (600 s) holds 1 alone, or 2-6: run it in parts, each with BENCH_RESUME=FILE (an earlier
+# part's results.json, carried) so that the last part's file holds them all.
 # Device call: carry [".whl-rt"] (+ the resumed file), command:  OMNISTAGE_COMMIT=<sha> BENCH_WHEELS=.whl-rt BENCH_VARIANTS=1 bash scripts/gpu_ablation.sh
 # Small scale on the CPU (~2 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_ABLATION_C=1,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
@@ -39,10 +40,10 @@ for v in "${PICK[@]}"; do
   name=${NAMES[$v]}
   share=$((($(left) - 10) / todo))
   todo=$((todo - 1))
-  fused=1
+  fused=1 stages=${STAGES[$v]:-${BENCH_STAGE_OVERRIDES:-}}
   ((v == 6)) && fused=0
   OMNISTAGE_FUSED_OPS=$fused bench_variant "$name" "$OUT/server-$v.log" "$share" \
-    ${STAGES[$v]:+--stage-overrides "${STAGES[$v]}"} ${DEPLOYS[$v]:+--deploy-overrides "${DEPLOYS[$v]}"}
+    ${stages:+--stage-overrides "$stages"} ${DEPLOYS[$v]:+--deploy-overrides "${DEPLOYS[$v]}"}
 done
 echo "[$((SECONDS - T0)) s] done"
 cat "$OUT/results.md"

@@ -21,6 +21,8 @@ from omnistage.server.serve_args import add_serve_args
 
 from test_memory_budget import CARD_80GB, TALKER_BLOCK, THINKER_BLOCK, MiB
 
+STREAM = 1_297_472 * 2  # bytes of one code2wav stream's state (bf16), full size
+
 @pytest.mark.parametrize("name, devices, util", [
     ("qwen3_omni_moe", (0, 0, 0), 0.9), ("80gb", (0, 0, 0), 0.95), ("2x80gb", (0, 1, 1), 0.9)])
 def test_shipped_layouts_load_for_every_platform(tiny_dir, name, devices, util):
@@ -42,7 +44,8 @@ def test_layout_names_and_the_flag(tiny_dir, tmp_path):
     args = add_serve_args(argparse.ArgumentParser()).parse_args(["--gpu-memory-utilization", "0.7",
                                                                  "--deploy-config", "80gb"])
     cfg = deploy_config(tiny_dir, args.deploy_config, None, "cpu", deploy_overrides(args))
-    assert cfg.gpu_memory_utilization == 0.7 and cfg.stages.code2wav.max_batch_size == 16
+    assert cfg.gpu_memory_utilization == 0.7 and cfg.stages.code2wav.max_batch_size == 64
+    assert cfg.stages.code2wav.graph_batch_sizes() == [1, 2, 4, 8, 16]
 
 
 def test_shares_per_device_locally_and_per_actor_with_ray():
@@ -90,4 +93,8 @@ def test_the_80gb_layout_fits_an_80gb_card_with_the_real_weights():
     at_512, ours = (plan_kv("cuda:0", mem, cfg.gpu_memory_utilization, [*paged, code2wav], measured + 2 * mb * MiB)
                     for mb in (512, cfg.encoder_cache_mb))
     assert [p.num_blocks * 16 for p in at_512] == [12688, 15216]  # its log: 12 416, 14 896
-    assert [p.num_blocks * 16 for p in ours] == [19232, 23088]  # this file's encoder_cache_mb: 128
+    assert [p.num_blocks * 16 for p in ours] == [19232, 23088]  # at 128 an H100 measured 6.76 GiB, not 6.85
+    # 64 code2wav stream slots rather than 16 (2026-12-05): 48 more rows of its stream state, 2.5 MiB each
+    sixteen, slots = ([p.num_blocks * 16 for p in plan_kv("cuda:0", mem, cfg.gpu_memory_utilization, [*paged, code2wav],
+                                                           int(6.76 * GiB) + k * 48 * STREAM)] for k in (0, 1))
+    assert (sixteen, slots) == ([20016, 24032], [19008, 22816])  # its log at 16: 19 760 / 23 712
