@@ -45,7 +45,7 @@ def test_layout_names_and_the_flag(tiny_dir, tmp_path):
                                                                  "--deploy-config", "80gb"])
     cfg = deploy_config(tiny_dir, args.deploy_config, None, "cpu", deploy_overrides(args))
     assert cfg.gpu_memory_utilization == 0.7 and cfg.stages.code2wav.max_batch_size == 64
-    assert cfg.stages.code2wav.graph_batch_sizes() == [1, 2, 4, 8, 16]
+    assert cfg.stages.code2wav.graph_batch_sizes() == [1, 2, 4, 8, 16] and cfg.stages.talker.max_batch_size == 64
 
 
 def test_shares_per_device_locally_and_per_actor_with_ray():
