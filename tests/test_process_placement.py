@@ -7,6 +7,9 @@ whole file."""
 
 from __future__ import annotations
 
+import logging
+from typing import Any
+
 import pytest
 import torch
 
@@ -15,6 +18,7 @@ from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.placement import wire
+from omnistage.pipeline.placement.process import ProcessLink
 
 from graph_helpers import settle
 from placement_helpers import check, gpu_twins, run, same, start, streamed_turn, twins
@@ -163,3 +167,21 @@ def test_on_the_gpu_the_same_as_the_local_placement() -> None:
         # on the H200 up to 5.1e-5 apart (tokens and codes equal)
         for x, y in zip(run(remote, ids, 8, 12), run(local, ids, 8, 12)):
             same(x, y, audio_atol=2e-4)
+
+
+def log_a_line(*_: Any) -> None:
+    """A worker process's target that logs one INFO line and ends without building anything."""
+    logging.getLogger("omnistage.probe").info("built nothing")
+
+
+@pytest.mark.parametrize("level", [logging.INFO, logging.WARNING])
+def test_a_worker_process_logs_at_the_serving_process_level(level: int, capfd) -> None:
+    root = logging.getLogger()
+    before, root.level = root.level, level
+    try:
+        with pytest.raises(RuntimeError, match="its process ended before its replica was built"):
+            ProcessLink(log_a_line, (), "probe0")
+    finally:
+        root.level = before
+    logged = "probe0 INFO omnistage.probe: built nothing" in capfd.readouterr().err
+    assert logged == (level == logging.INFO)

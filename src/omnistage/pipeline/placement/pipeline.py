@@ -13,7 +13,6 @@ started again. `stats()` nests the pipeline's stages (`pipeline<i>.thinker`, ...
 
 from __future__ import annotations
 
-import logging
 import threading
 from collections.abc import Callable
 from dataclasses import replace
@@ -105,7 +104,6 @@ class PipelineHost:
 
 def serve_pipeline(p: Placement, threads: int, inbox: Any, outbox: Any) -> None:
     """A pipeline's process (`process.run_host`'s protocol)."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s pipeline %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     run_host(lambda: PipelineHost(p), inbox, outbox)
 

@@ -29,8 +29,6 @@ START_TIMEOUT_S = 1800  # a full-size replica's load, profiling build and captur
 def serve_group(p: Placement, members: list[tuple[str, int, str]], tokenizer: Any, tts: torch.Tensor | None,
                 threads: int, inbox: Any, outbox: Any) -> None:
     """The process of the replicas `members` (those of one deploy device)."""
-    names = "+".join(w for _, _, w in members)
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s {names} %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     run_host(lambda: GroupHost(p, members, tokenizer, tts), inbox, outbox)
 
@@ -65,14 +63,24 @@ def _read(host: Any, inbox: Any) -> None:
             host.handle(rest[0])
 
 
+def process_main(target: Callable[..., None], name: str, level: int, *args: Any) -> None:
+    """A spawned process: its log lines at the serving process's `level` (a server's start-up lines: KV sizes,
+    graph captures), labelled `name`; then `target(*args)`."""
+    logging.basicConfig(level=level, format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s")
+    target(*args)
+
+
 class ProcessLink:
-    """A `remote.Link` to a host's process: `target(*args, inbox, outbox)` spawned, built by the constructor."""
+    """A `remote.Link` to a host's process: `target(*args, inbox, outbox)` spawned (`process_main`), built by the
+    constructor."""
 
     def __init__(self, target: Callable[..., None], args: tuple, name: str) -> None:
         ctx = multiprocessing.get_context("spawn")
         inbox, self._writer = ctx.Pipe(duplex=False)
         self._reader, outbox = ctx.Pipe(duplex=False)
-        self.process = ctx.Process(target=target, args=(*args, inbox, outbox), name=f"omnistage-{name}")
+        level = logging.getLogger().getEffectiveLevel()
+        self.process = ctx.Process(target=process_main, args=(target, name, level, *args, inbox, outbox),
+                                   name=f"omnistage-{name}")
         self.process.start()
         inbox.close()
         outbox.close()
