@@ -174,6 +174,27 @@ def test_turn_prepared_where_it_ends_closes_with_one_row() -> None:
                                                                     None, True)
 
 
+def test_a_prepare_that_rewound_leaves_its_windows_sent() -> None:
+    """A louder end reaches `prepare` before its audio is appended (the realtime pump prepares first): the
+    windows sent before change and go again with the prepared prompt; the audio appended after (silence) sends
+    nothing, and close with the prepared clip computes one row."""
+    audio = speech().copy()
+    audio[-4000:] = np.clip(audio[-4000:] * 3.0, -1, 1)
+    rest = np.concatenate([audio[-4000:], np.zeros(8000, np.float32)])
+
+    def louder_end_prepared_first(stream) -> int:
+        stream.prepare(audio)
+        stream.append_audio(rest)
+        return wait_prefilled(stream)
+
+    out, stream, sent, prefilled = streamed(user(), audio[:-4000], close_with=audio,
+                                            before_close=louder_end_prepared_first)
+    assert_same(out, whole(user(), audio))
+    assert stream.closed_prepared and len(stream.sent) == 2 and prefilled == len(stream.req.prompt.input_ids)
+    prefix = len(stream.prefix.input_ids)
+    assert [(p.keep, p.closed) for p in sent[-2:]] == [(prefix, False), (prefilled - 1, True)]
+
+
 def test_speech_after_a_pause_leaves_the_ordinary_close() -> None:
     """Prepared at a pause, then the user spoke on (one more window, louder: both sent windows change): what
     `prepare` sent is rewound and close sends what differs, exact; prepared at a pause in the first window,

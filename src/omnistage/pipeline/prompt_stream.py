@@ -77,15 +77,19 @@ class PromptStream:
             raise ValueError("audio appended to a closed streaming prompt")
         self.pcm.append(np.asarray(pcm, dtype=np.float32).reshape(-1))
         self.samples += self.pcm[-1].shape[0]
-        # NOTE: frame t (of samples // hop) reads samples up to hop t + n_fft / 2: past the end, it reads the
-        # clip's reflection, so it is final only once they have arrived.
-        hop = self.fe.hop_length
-        final = min(self.samples // hop, max(0, (self.samples - self.fe.n_fft // 2) // hop + 1))
-        if self.prefix is None or (final // self.window <= len(self.sent) and not self._louder()):
+        windows = self._final(self.samples) // self.window
+        if self.prefix is None or (windows <= len(self.sent) and not self._louder()):
             return
         feats = self.processor.audio_features([self.audio()], cache=False)[0][0]  # NOTE: a prefix, not a clip
         self.peak = float(feats.max())
-        self._sync(feats, final // self.window)
+        self._sync(feats, windows)
+
+    def _final(self, samples: int) -> int:
+        """Mel frames of the first `samples` that later audio leaves as they are."""
+        # NOTE: frame t (of samples // hop) reads samples up to hop t + n_fft / 2: past the end, it reads the
+        # clip's reflection, so it is final only once they have arrived.
+        hop = self.fe.hop_length
+        return min(samples // hop, max(0, (samples - self.fe.n_fft // 2) // hop + 1))
 
     def _louder(self) -> bool:
         """Whether the audio since the last look may hold a frame above the loudest so far (which sets the
@@ -140,6 +144,7 @@ class PromptStream:
             piece = self._rebase(prompt)
         self.prepared = Prepared(audio, prompt, piece is not None)
         if piece is not None:
+            self.sent = self._windows(prompt, len(audio))  # NOTE: what the thinker has now: later audio rewinds
             self.send(piece)
 
     def _rebase(self, prompt: PromptInputs) -> PromptPiece | None:
@@ -148,11 +153,14 @@ class PromptStream:
         prefix = prefix_prompt(self.processor, prompt)
         if prefix is None:
             return None
-        lens, w = prompt.audio_feature_lens, self.window
-        feats = prompt.input_features[-1, :, :lens[-1]]
         self.req.prompt, self.prefix = prompt, prefix
-        self.sent = [feats[:, k * w:(k + 1) * w].clone() for k in range(lens[-1] // w)]
         return PromptPiece(self.req, 0, [], restart=True)
+
+    def _windows(self, prompt: PromptInputs, samples: int) -> list[torch.Tensor]:
+        """The features of each window of `prompt`'s streamed audio (its last, `samples` long) that later audio
+        leaves as they are."""
+        w, feats = self.window, prompt.input_features[-1]
+        return [feats[:, k * w:(k + 1) * w].clone() for k in range(self._final(samples) // w)]
 
     def close(self, audio: np.ndarray | None = None) -> None:
         """The audio is complete (`audio`: the whole clip, if it is not exactly what was appended, e.g. a
