@@ -1,12 +1,6 @@
 # Sourced by scripts/gpu_bench.sh and scripts/gpu_realtime_bench.sh (after PY, MODEL, PORT, URL, OUT, T0 are set):
 # start_server LOG [serve flags], stop_server, and start_main_server (the shipped deploy config, with fallbacks).
 SERVER=
-# the default layout needs more than an 80 GB card: on one (an H100) its layout, unless BENCH_DEPLOY_CONFIG is set
-if [[ -z ${BENCH_DEPLOY_CONFIG+set} && -z ${BENCH_DEVICE:-} ]] && command -v nvidia-smi > /dev/null; then
-  GPU_MIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits 2> /dev/null | head -1)
-  [[ $GPU_MIB =~ ^[0-9]+$ ]] && ((GPU_MIB < 100000)) && BENCH_DEPLOY_CONFIG=80gb &&
-    echo "a GPU of $GPU_MIB MiB: --deploy-config 80gb"
-fi
 stop_server() {
   [[ -n $SERVER ]] || return 0
   kill "$SERVER" 2>/dev/null
@@ -16,7 +10,7 @@ stop_server() {
 }
 trap stop_server EXIT
 # start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
-# (BENCH_DEPLOY_CONFIG: a packaged layout such as 80gb, for an H100)
+# (BENCH_DEPLOY_CONFIG: a deploy YAML or packaged layout; without it the server's own choice, 80gb on an H100)
 start_server() {
   local log=$1
   shift

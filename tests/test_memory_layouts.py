@@ -98,3 +98,16 @@ def test_the_80gb_layout_fits_an_80gb_card_with_the_real_weights():
     sixteen, slots = ([p.num_blocks * 16 for p in plan_kv("cuda:0", mem, cfg.gpu_memory_utilization, [*paged, code2wav],
                                                            int(6.76 * GiB) + k * 48 * STREAM)] for k in (0, 1))
     assert (sixteen, slots) == ([20016, 24032], [19008, 22816])  # its log at 16: 19 760 / 23 712
+
+
+@pytest.mark.parametrize("gib, name, file", [
+    (79.2, None, "qwen3_omni_moe_80gb.yaml"), (89.4, None, "qwen3_omni_moe_80gb.yaml"),
+    (139.8, None, "qwen3_omni_moe.yaml"), (79.2, "2x80gb", "qwen3_omni_moe_2x80gb.yaml")])
+def test_without_a_deploy_config_a_gpu_under_100_gib_gets_the_80gb_layout(tiny_dir, monkeypatch, gib, name, file):
+    from omnistage.server import launch
+
+    monkeypatch.setattr(launch, "detect_platform", lambda: "cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: SimpleNamespace(total_memory=int(gib * GiB)))
+    assert deploy_config(tiny_dir, name, None, None) == load_deploy_config(DEPLOY_DIR / file, "cuda")
+    # the CPU asked for on a GPU machine: the default file, its cpu entry
+    assert deploy_config(tiny_dir, None, None, "cpu") == load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", "cpu")

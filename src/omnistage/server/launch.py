@@ -10,11 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from omnistage.config import ConfigError, DeployConfig
-from omnistage.config_loader import load_deploy_config, resolve_deploy_config
+from omnistage.config_loader import default_deploy_config, load_deploy_config, resolve_deploy_config
 from omnistage.config_rules import QUANTIZED_STAGES
 from omnistage.media.warm import warm_media
-from omnistage.pipeline.placement.memory import MemoryBudgetError
+from omnistage.pipeline.placement.memory import ONE_80GB_LAYOUT, GiB, MemoryBudgetError
 from omnistage.platform import detect_platform
 from omnistage.utils import deep_merge
 
@@ -25,6 +27,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("omnistage.serve")
 
+SMALL_GPU_BYTES = 100 * GiB  # under it (80-96 GB cards) no --deploy-config means the 80gb layout
 TINY_MODEL_NAME = "qwen3-omni-tiny-random"
 RANDOM_WEIGHTS_NOTE = ("the weights are RANDOM: text and speech are noise; use it to try the API, "
                        "not to judge quality")
@@ -84,15 +87,34 @@ def download(repo_id: str) -> Path:
 
 def deploy_config(model_dir: Path, path: str | None, stage_overrides: str | None,
                   device: str | None, overrides: dict | None = None) -> DeployConfig:
-    """The packaged config for the checkpoint's model_type unless `path` (a YAML, or a packaged layout name:
-    "80gb", "2x80gb", "2gpu", ...: `serve_args`); its platform entry follows
-    `device` (cpu when the user asks for the CPU on an accelerator machine)."""
+    """The packaged config for the checkpoint's model_type (on a GPU of under 100 GiB its `80gb` layout:
+    `fitting_layout`) unless `path` (a YAML, or a packaged layout name: "80gb", "2x80gb", "2gpu", ...:
+    `serve_args`); its platform entry follows `device` (cpu when the user asks for the CPU on an accelerator
+    machine)."""
     platform = "cpu" if device is not None and device.startswith("cpu") else detect_platform()
     try:
-        path = resolve_deploy_config(model_dir, path)
+        path = resolve_deploy_config(model_dir, path or fitting_layout(model_dir, platform, device))
         return load_deploy_config(path, platform, stage_overrides, overrides)
     except ConfigError as e:
         raise LaunchError(str(e)) from None
+
+
+def fitting_layout(model_dir: Path, platform: str, device: str | None) -> str | None:
+    """The packaged layout for the GPU when none is named: `80gb` on one of under 100 GiB (H100, A100, H20: the
+    default layout's graph sets and caches need an H200's 141 GB), where the model type has one."""
+    if platform not in ("cuda", "rocm"):
+        return None
+    index = torch.device(device).index if device and device.startswith("cuda") else None
+    total = torch.cuda.get_device_properties(index or 0).total_memory
+    if total >= SMALL_GPU_BYTES:
+        return None
+    try:
+        default_deploy_config(model_dir, ONE_80GB_LAYOUT)
+    except ConfigError:
+        return None
+    logger.info("a GPU of %.1f GiB: the packaged %s layout (--deploy-config names another)", total / GiB,
+                ONE_80GB_LAYOUT)
+    return ONE_80GB_LAYOUT
 
 
 def generation_defaults(deploy: DeployConfig, model_dir: Path, source: str) -> DeployConfig:
