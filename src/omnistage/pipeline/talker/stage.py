@@ -12,6 +12,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.kv_growth import KvGrowth
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
@@ -53,6 +54,7 @@ class TalkerStage(AsyncOutputStep):
         self.tokens = TalkerTokens.from_config(config)
         self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
+        self.kv = KvGrowth(self.blocks)  # NOTE: a decode refused a block waits a step (engine/kv_growth.py)
         allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
@@ -86,7 +88,7 @@ class TalkerStage(AsyncOutputStep):
             self.waiting.remove(seq)
         if seq is not None and seq.slot >= 0:
             self.penalties.release(seq.slot)
-        self.blocks.release(request_id)
+        self.kv.release(request_id)
 
     @property
     def num_active(self) -> int:
@@ -142,10 +144,8 @@ class TalkerStage(AsyncOutputStep):
         while self.waiting:
             seq = self.waiting[0]
             take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
-            need = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
-            if not (self.penalties.num_free and self.blocks.can_allocate(seq.req.request_id, need)):
+            if not (self.penalties.num_free and self._room(seq, seq.prompt_rows.shape[0])):
                 break
-            self.blocks.allocate(seq.req.request_id, need)
             seq.slot = self.penalties.acquire()
             self.waiting.popleft()
         batch, decodes = [], []
@@ -155,7 +155,7 @@ class TalkerStage(AsyncOutputStep):
                 continue
             if not seq.prefilled:
                 batch.append((seq, seq.prompt_rows[seq.num_computed:]))
-            elif (text := seq.next_text()) is not None:
+            elif self._room(seq, seq.num_computed + 1) and (text := seq.next_text()) is not None:
                 decodes.append((seq, text))
         self.step_requests = [s.req for s, _ in batch] + [s.req for s, _ in decodes]
         if decodes:
@@ -163,6 +163,11 @@ class TalkerStage(AsyncOutputStep):
             rows = torch.stack([s.codec_embed for s, _ in decodes]) + text_rows(self.talker, embeds, finals)
             batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
+
+    def _room(self, seq: TalkerSeq, rows: int) -> bool:
+        """KV blocks for its first `rows` rows, within its limit of prompt + max_frames."""
+        limit = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
+        return self.kv.grant(seq.req.request_id, rows, limit)
 
     def _tokens(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> int:
         return sum(rows.shape[0] for _, rows in batch)

@@ -2,7 +2,8 @@
 
 Every running decode first (one row each, up to `max_batch_size`), then prefill chunks within the token
 budget: the running prompts' next chunks, then waiting prompts in arrival order (their cached prefix taken
-first). KV blocks and a penalty row are taken as a prompt is scheduled; `release` gives them back.
+first). KV blocks are taken as rows are scheduled (engine/kv_growth.py: a decode refused a block waits a step), a
+penalty row once the prompt is whole; `release` gives them back.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.kv_growth import KvGrowth
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.pipeline.thinker.prefix import take_prefix
 from omnistage.pipeline.thinker.seq import ThinkerSeq
@@ -20,29 +22,32 @@ class ThinkerScheduler:
                  graph_tokens: int, max_context: int = 0) -> None:
         """`graph_tokens`: the largest prompt the prefill graphs take whole; `max_context`: the most cached rows
         one prefill graph run reads past (thinker/prefix.py)."""
-        self.blocks, self.penalties = blocks, penalties
+        self.blocks, self.penalties, self.kv = blocks, penalties, KvGrowth(blocks)
         self.max_batch_size, self.token_budget, self.graph_tokens = max_batch_size, token_budget, graph_tokens
         self.max_context = max_context
         self.waiting: deque[ThinkerSeq] = deque()
         self.running: list[ThinkerSeq] = []
 
     def room(self, seq: ThinkerSeq, n: int) -> bool:
-        """KV blocks for `n` more prompt rows (and, once the prompt is whole, its max_tokens) and, once
-        whole, a penalty row: a growing prompt takes them as it grows."""
-        total = seq.num_computed + n + (0 if seq.open else seq.req.sampling.max_tokens)
-        if not self.blocks.can_allocate(seq.req.request_id, total) or (
-                seq.slot < 0 and not seq.open and not self.penalties.num_free):
+        """KV blocks for `n` more rows (its limit: the prompt so far + max_tokens) and, once the prompt is whole,
+        a penalty row."""
+        if seq.slot < 0 and not seq.open and not self.penalties.num_free:
             return False
-        self.blocks.allocate(seq.req.request_id, total)
+        if not self.kv.grant(seq.req.request_id, seq.num_computed + n, seq.prompt_len + seq.req.sampling.max_tokens):
+            return False
         if seq.slot < 0 and not seq.open:
             seq.slot = self.penalties.acquire(seq.prompt_ids)
         return True
 
     def schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """(seq, new tokens) for this step: every running decode, then prefill chunks within the budget."""
-        # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
-        batch = [(s, 1) for s in self.running
-                 if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens][: self.max_batch_size]
+        batch: list[tuple[ThinkerSeq, int]] = []
+        for s in self.running:
+            if len(batch) == self.max_batch_size:
+                break
+            # NOTE: a request whose last launched token reaches max_tokens waits for that step's completion (its end)
+            if not s.in_prefill and s.num_sampled < s.req.sampling.max_tokens and self.room(s, 1):
+                batch.append((s, 1))
         budget, context = self.token_budget - len(batch), 0
         for seq in [s for s in self.running if s.in_prefill and s.rows_ready]:  # an open prompt may have none
             if budget <= 0 or len(batch) >= self.max_batch_size or self._past_context(seq, context, batch):
@@ -77,7 +82,7 @@ class ThinkerScheduler:
         if seq.slot >= 0:
             self.penalties.release(seq.slot)
             seq.slot = -1
-        self.blocks.release(seq.req.request_id)
+        self.kv.release(seq.req.request_id)
         if seq in self.running:
             self.running.remove(seq)
         if seq in self.waiting:
