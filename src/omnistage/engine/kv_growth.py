@@ -15,6 +15,7 @@ class KvGrowth:
     def __init__(self, blocks: BlockManager) -> None:
         self.blocks = blocks
         self.limits: dict[str, int] = {}  # running request -> the most tokens it may come to hold
+        self.waits = 0  # grants refused
 
     def grant(self, seq_id: str, tokens: int, limit: int) -> bool:
         """Blocks for `tokens` rows of `seq_id`, which may come to hold `limit` (its limit from now on), unless
@@ -27,6 +28,7 @@ class KvGrowth:
                 del self.limits[seq_id]
             else:
                 self.limits[seq_id] = old
+            self.waits += 1
             return False
         self.blocks.allocate(seq_id, tokens)
         return True

@@ -19,7 +19,8 @@ LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3
 RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0)
 
 
-CACHE_COUNTERS = {
+STAGE_COUNTERS = {  # totals a stage's stats may carry besides the common ones
+    "kv_block_waits": "KV block grants refused: the request waited a step (engine/kv_growth.py).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (as vLLM's).",
     "prefix_cache_hits": "Prompt tokens found there (not prefilled again).",
     "encoder_cache_queries": "Media items looked up in the encoder cache.",
@@ -60,7 +61,7 @@ class ServerMetrics:
         self.graph_replays = Counter(f"{p}_stage_graph_replays_total", "CUDA graph replays timed.", ("stage",))
         self.restarts = Counter(f"{p}_stage_restarts_total",
                                 "Times the replica's process died and was started again.", ("stage",))
-        self.caches = {k: Counter(f"{p}_{k}_total", h, ("stage",)) for k, h in CACHE_COUNTERS.items()}
+        self.counters = {k: Counter(f"{p}_{k}_total", h, ("stage",)) for k, h in STAGE_COUNTERS.items()}
         self.waiting = Gauge(f"{p}_requests_waiting", "Admitted requests without all their first outputs.")
         self.waiting_tokens = Gauge(f"{p}_requests_waiting_prompt_tokens", "Their prompt tokens.")
         self.realtime_streamed_rows = Counter(
@@ -75,14 +76,14 @@ class ServerMetrics:
                      self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.restarts,
                      self.waiting,
                      self.waiting_tokens, self.realtime_streamed_rows, self.realtime_prepared_turns, self.rss,
-                     *self.caches.values()]
+                     *self.counters.values()]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,
                       kv_blocks_total: int | None = None, active: int | None = None,
                       failed: int | None = None, steps: int | None = None, busy_seconds: float | None = None,
                       step_rows: int | None = None, graph_gpu_seconds: float | None = None,
-                      graph_replays: int | None = None, restarts: int | None = None, **caches: int) -> None:
-        """`caches`: the thinker's cache counters (`CACHE_COUNTERS`)."""
+                      graph_replays: int | None = None, restarts: int | None = None, **counters: int) -> None:
+        """`counters`: the stage's own totals (`STAGE_COUNTERS`)."""
         self.batch_size.set(batch_size, stage=stage)
         self.queue_depth.set(queue_depth, stage=stage)
         if kv_blocks_used is not None:
@@ -94,7 +95,7 @@ class ServerMetrics:
         for counter, total in ((self.failed, failed), (self.steps, steps), (self.busy, busy_seconds),
                                (self.step_rows, step_rows), (self.graph_gpu, graph_gpu_seconds),
                                (self.graph_replays, graph_replays), (self.restarts, restarts),
-                               *((self.caches[k], v) for k, v in caches.items())):
+                               *((self.counters[k], v) for k, v in counters.items())):
             if total is not None:
                 counter.set_total(total, stage=stage)
 

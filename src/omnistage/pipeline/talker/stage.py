@@ -77,7 +77,8 @@ class TalkerStage(AsyncOutputStep):
 
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(),
-                    prefix_cache_queries=self.blocks.queries, prefix_cache_hits=self.blocks.hits)
+                    kv_block_waits=self.kv.waits, prefix_cache_queries=self.blocks.queries,
+                    prefix_cache_hits=self.blocks.hits)
 
     def add(self, chunk: TextChunk) -> None:
         self.inbox.put(chunk)
