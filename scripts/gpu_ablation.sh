@@ -5,11 +5,12 @@
 # ablation_{throughput,rtf,ttfp}.png). The seed's steps, then what omnistage adds:
 #   1 batch: stages decomposed and batched, nothing else: no CUDA graphs, no async chunk, no async output, fixed
 #     25-frame codec chunks, code2wav's stream at the others' priority (the fused kernels on, as in every row but 6:
-#     without them this row served 0.39 req/s at c = 16, far too slow for its 10 x c requests in a call)
+#     without them this row served 0.39 req/s at c = 16, far too slow for its 10 x c requests in a call); the
+#     stages in the serving process (placement: local) in rows 1-4
 #   2 + CUDA graphs   3 + async chunk   4 + async output
-#   5 + omnistage's own (packet growth, stream priorities): the shipped deploy config
+#   5 + omnistage's own (packet growth, stream priorities, the stages in a worker process): the shipped deploy config
 #   6 the shipped config without the fused kernels (OMNISTAGE_FUSED_OPS=0): what they add
-#   7 the shipped config with the stages in a worker process of their own (placement: pipeline)
+#   7 the shipped config with the stages in the serving process (placement: local): what the worker process adds
 # BENCH_VARIANTS picks some ("1 2"; default all); BENCH_STAGE_OVERRIDES (JSON) goes to the servers of rows
 # without stage overrides of their own, 5-7 (a layout's A/B, e.g. '{"talker": {"max_batch_size": 64}}').
 # At full size one call (600 s) holds 1 alone, or 2-6: run it in parts, each with BENCH_RESUME=FILE (an earlier
@@ -24,15 +25,16 @@ DEFAULT_BUDGET=540
 . scripts/bench_start.sh
 [[ -n ${BENCH_RESUME:-} ]] && cp "$BENCH_RESUME" "$OUT/results.json"
 
-SERIAL='"async_chunk": false, "async_output": false'
+LOCAL='"placement": "local"'
+SERIAL="\"async_chunk\": false, \"async_output\": false, $LOCAL"
 FIXED='"connector": {"codec_chunk_growth": false}'
 EQUAL='"code2wav": {"stream_priority": 0}'
 NAMES=("" "batch" "+ CUDA graphs" "+ async chunk" "+ async output" "+ omnistage's own" "shipped, no fused kernels"
-       "shipped, placement: pipeline")
+       "shipped, placement: local")
 STAGES=("" "{\"thinker\": {\"cuda_graph\": false}, \"talker\": {\"cuda_graph\": false}, \"code2wav\": {\"cuda_graph\": false, \"stream_priority\": 0}}"
         "{$EQUAL}" "{$EQUAL}" "{$EQUAL}" "" "" "")
-DEPLOYS=("" "{$SERIAL, $FIXED}" "{$SERIAL, $FIXED}" "{\"async_output\": false, $FIXED}" "{$FIXED}" "" ""
-         '{"placement": "pipeline"}')
+DEPLOYS=("" "{$SERIAL, $FIXED}" "{$SERIAL, $FIXED}" "{\"async_output\": false, $LOCAL, $FIXED}" "{$LOCAL, $FIXED}" ""
+         "" "{$LOCAL}")
 read -ra PICK <<< "${BENCH_VARIANTS:-1 2 3 4 5 6}"
 read_aloud_rows "${BENCH_ABLATION_C:-16,32,64}" "${BENCH_K:-10}"
 todo=${#PICK[@]}

@@ -179,6 +179,13 @@ def test_the_multi_gpu_layouts(tiny_dir, layout, placement, devices) -> None:
     assert cpu.stage("thinker").dtype == "float32" and not cpu.stage("talker").cuda_graph
 
 
+@pytest.mark.parametrize("layout", [None, "80gb"])
+def test_the_stages_run_in_a_worker_process_on_gpus_and_in_this_one_on_the_cpu(tiny_dir, layout) -> None:
+    path = default_deploy_config(tiny_dir, layout)
+    assert [load_deploy_config(path, p).placement for p in ("cuda", "rocm", "cpu")] == ["pipeline"] * 2 + ["local"]
+    assert load_deploy_config(path, "cpu", overrides={"placement": "process"}).placement == "process"  # the flag
+
+
 def test_a_base_that_includes_itself_is_refused(tmp_path) -> None:
     (tmp_path / "a.yaml").write_text("base: b.yaml\n")
     (tmp_path / "b.yaml").write_text("base: a.yaml\nasync_chunk: false\n")
