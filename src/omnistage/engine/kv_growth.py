@@ -30,7 +30,8 @@ class KvGrowth:
                 self.limits[seq_id] = old
             self.waits += 1
             return False
-        self.blocks.allocate(seq_id, tokens)
+        if need:
+            self.blocks.allocate(seq_id, tokens)
         return True
 
     def release(self, seq_id: str) -> None:
