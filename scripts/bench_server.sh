@@ -34,12 +34,14 @@ start_server() {
 }
 
 # read_aloud_rows CONCURRENCY K: COMMON, the bench arguments of read-aloud rows (P = BENCH_P, 160) at CONCURRENCY
-# ("16,64"), K x c requests a row, after BENCH_WARMUP (3) requests
+# ("16,64"), K x c requests a row, after BENCH_WARMUP (3) requests; BENCH_ANSWER_SCALE: answers that many times
+# longer
 read_aloud_rows() {
   COMMON=(--base-url "$URL" --workload read-aloud --random-weights --tokenizer "$MODEL" --seed "${BENCH_SEED:-0}"
           --output-dir "$OUT" --prompt-tokens "${BENCH_P:-160}" --concurrency "$1" --prompts-per-concurrency "$2"
           --num-prompts 1 --warmup "${BENCH_WARMUP:-3}"
-          ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"})
+          ${BENCH_MAX_TOKENS:+--max-tokens "$BENCH_MAX_TOKENS"} ${BENCH_MAX_FRAMES:+--max-frames "$BENCH_MAX_FRAMES"}
+          ${BENCH_ANSWER_SCALE:+--answer-scale "$BENCH_ANSWER_SCALE"})
 }
 
 # bench_variant NAME LOG SECONDS [serve flags]: a server with those flags, then `omnistage bench "${COMMON[@]}"` against

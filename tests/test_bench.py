@@ -171,6 +171,8 @@ def test_payload_forces_lengths_only_with_random_weights():
     assert forced["stream"] and forced["stream_options"] == {"include_usage": True}
     assert forced["audio"] == {"voice": "Ethan", "format": "pcm16"} and forced["model"] == "m"
     capped = chat_payload(req, model=None, random_weights=True, max_tokens=3, max_frames=5)
+    long = chat_payload(req, model=None, random_weights=True, answer_scale=5)
+    assert long["max_tokens"] == 5 * req.text_tokens and long["talker"]["max_frames"] == 5 * req.audio_frames
     assert capped["max_tokens"] == 3 and capped["talker"]["max_frames"] == 5 and "model" not in capped
     free = chat_payload(req, model=None, random_weights=False)
     assert not {"max_tokens", "ignore_eos", "talker", "max_audio_frames"} & set(free)

@@ -49,6 +49,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "frames, EOS ignored")
     p.add_argument("--max-tokens", type=int, default=None, help="cap on the text tokens of a request")
     p.add_argument("--max-frames", type=int, default=None, help="cap on the audio frames of a request")
+    p.add_argument("--answer-scale", type=float, default=1.0,
+                   help="random weights: the forced answer lengths times this (long answers: KV caches that fill)")
     p.add_argument("--voice", default="Ethan")
     p.add_argument("--variant", default=None, help="label of the server configuration (ablation rows), kept in each row")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: an approximation, see docs)")
@@ -107,7 +109,8 @@ async def _sweep(args: argparse.Namespace, counter: TokenCounter, budget: Budget
 
         def bodies(reqs: list[BenchRequest]) -> list[dict]:
             return [chat_payload(r, model=model, random_weights=args.random_weights, voice=args.voice,
-                                 max_tokens=args.max_tokens, max_frames=args.max_frames) for r in reqs]
+                                 max_tokens=args.max_tokens, max_frames=args.max_frames,
+                                 answer_scale=args.answer_scale) for r in reqs]
 
         async with idle_sessions(args, model):  # none unless --idle-sessions
             if args.warmup:

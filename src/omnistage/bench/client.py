@@ -22,7 +22,7 @@ CHAT_PATH = "/v1/chat/completions"
 
 
 def chat_payload(req: BenchRequest, *, model: str | None, random_weights: bool, voice: str = "Ethan",
-                 max_tokens: int | None = None, max_frames: int | None = None) -> dict:
+                 max_tokens: int | None = None, max_frames: int | None = None, answer_scale: float = 1.0) -> dict:
     """The request body: text + streamed audio, usage asked; random weights force the output lengths with
     EOS ignored (thinker: max_tokens + ignore_eos; talker: talker.max_frames + talker.ignore_eos)."""
     body: dict = {"messages": req.messages, "modalities": ["text", "audio"],
@@ -31,7 +31,7 @@ def chat_payload(req: BenchRequest, *, model: str | None, random_weights: bool, 
     if model:
         body["model"] = model
     if random_weights:
-        text, frames = forced_lengths(req, max_tokens, max_frames)
+        text, frames = forced_lengths(req, max_tokens, max_frames, answer_scale)
         body.update(max_tokens=text, ignore_eos=True, talker={"max_frames": frames, "ignore_eos": True})
     else:
         body.update({k: v for k, v in (("max_tokens", max_tokens), ("max_audio_frames", max_frames)) if v})

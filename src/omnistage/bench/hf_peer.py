@@ -80,7 +80,7 @@ def _run_row(model: torch.nn.Module, prompts: list[list[int]], reqs: list[BenchR
     for k in range(0, len(reqs), batch):
         if results and time.perf_counter() + last > deadline:
             break
-        lengths = [forced_lengths(r, args.max_tokens, args.max_frames) for r in reqs[k:k + batch]]
+        lengths = [forced_lengths(r, args.max_tokens, args.max_frames, args.answer_scale) for r in reqs[k:k + batch]]
         text, frames = max(t for t, _ in lengths), max(f for _, f in lengths)
         send = time.perf_counter()
         try:

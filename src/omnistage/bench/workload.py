@@ -99,10 +99,12 @@ class BenchRequest:
         return round(FRAMES_PER_SECOND * self.sentence.duration_s)
 
 
-def forced_lengths(req: BenchRequest, max_tokens: int | None = None,
-                   max_frames: int | None = None) -> tuple[int, int]:
-    """(text tokens, audio frames) a random-weight run forces, each capped when a cap is given."""
-    return min(req.text_tokens, max_tokens or req.text_tokens), min(req.audio_frames, max_frames or req.audio_frames)
+def forced_lengths(req: BenchRequest, max_tokens: int | None = None, max_frames: int | None = None,
+                   scale: float = 1.0) -> tuple[int, int]:
+    """(text tokens, audio frames) a random-weight run forces: the sentence's times `scale`, each capped when a cap
+    is given."""
+    text, frames = round(req.text_tokens * scale), round(req.audio_frames * scale)
+    return min(text, max_tokens or text), min(frames, max_frames or frames)
 
 
 def _context(pool: list[Sentence], start: int, n: int, counter: TokenCounter) -> str:
