@@ -224,3 +224,15 @@ def test_stage_step_counters() -> None:
     assert d["thinker"]["steps"] == 7 and d["thinker"]["step_rows"] == 7  # whole prompt in one step + 6 decodes
     assert d["code2wav"]["step_rows"] == 4  # chunks of 2, 2, 4, 5 frames
     assert all(d[s]["busy_seconds"] > 0 for s in d)
+
+
+def test_the_offline_api_keeps_the_stages_in_this_process() -> None:
+    # a deploy config asking for a worker process (as the default one does on GPUs) still runs in-process: a
+    # spawned worker would run the caller's script again unless it has an `if __name__ == "__main__":` guard
+    d = tiny_checkpoint("tiny")
+    o = Omni(d, deploy=load_deploy_config(default_deploy_config(d), "cpu", overrides={"placement": "pipeline"}),
+             device="cpu")
+    try:
+        assert o.engine.placement == "local" and o.engine.thinker.blocks.num_blocks > 0
+    finally:
+        o.engine.shutdown()

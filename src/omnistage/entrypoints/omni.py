@@ -46,12 +46,14 @@ class Omni:
     def __init__(self, model: str | Path | None = None, **engine_kwargs: Any) -> None:
         """`model`: a checkpoint directory (default: the built-in tiny random-weight checkpoint).
         `engine_kwargs` go to `Orchestrator` (deploy, load_format, device, dtype, seed, media_policy,
-        placement: "local" or "ray")."""
+        placement: "local", "pipeline", "process" or "ray")."""
         if model is None:
             from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 
             model = tiny_checkpoint()
-        self.engine = Orchestrator(model, **engine_kwargs)
+        # NOTE: the stages in this process whatever the deploy config says: a worker process (spawned) would run
+        # the caller's script again unless it has an `if __name__ == "__main__":` guard
+        self.engine = Orchestrator(model, **{**engine_kwargs, "placement": engine_kwargs.get("placement") or "local"})
 
     def chat(self, messages: list | None = None, *, prompt_token_ids: list | None = None,
              modalities: list[str] = ("text", "audio"), voice: str | list[str] = "Ethan", sampling: Any = None,
