@@ -80,6 +80,19 @@ def test_blocks_shared_through_the_prefix_cache_are_not_counted_as_freed() -> No
     assert not kv.grant("c", 1, 6) and kv.grant("c", 1, 5)
 
 
+def test_a_prompt_still_growing_holds_its_blocks_and_no_one_waits_on_it_to_end() -> None:
+    kv = KvGrowth(BlockManager(8, 1))
+    assert kv.grant("o", 4, None) and kv.grant("p", 1, None)  # turns being spoken: no limits yet, they end only
+    # once their users stop
+    assert not kv.grant("a", 1, 6)  # 6 rows cannot be promised beside their 5 (counting on o to end first could
+    assert kv.grant("b", 1, 3) and kv.grant("b", 3, 3)  # deadlock: o waiting for blocks, a for o); 3 can
+    assert not kv.grant("o", 5, None)  # none free
+    kv.release("b")
+    assert kv.grant("o", 5, None)
+    assert not kv.grant("o", 6, 8) and "o" not in kv.limits  # whole at 6 rows, 8 to reach, 1 left: it waits
+    assert kv.grant("o", 6, 7) and kv.limits == {"o": 7}
+
+
 def engine(kv_blocks: dict[str, int] | None) -> Omni:
     """The tiny checkpoint's engine; `kv_blocks`: KV blocks per stage (thinker 16 KiB, talker 8 KiB a block)."""
     d = tiny_checkpoint("tiny")

@@ -4,7 +4,11 @@ running requests all waiting for blocks that none of them will free. After a gra
 which each running request in turn can reach its limit (prompt + max_tokens, or the talker's prompt + max_frames)
 with the free blocks plus those the requests before it free when they end: the banker's algorithm with one kind
 of resource, run only when the free blocks are fewer than what all the limits still need. A refused request waits
-for a step and keeps what it holds; the one first in that order can always go on, so one always ends."""
+for a step and keeps what it holds; the one first in that order can always go on, so one always ends.
+
+A prompt still growing (a realtime turn being spoken) has no limit yet and cannot end before its user stops: its
+blocks count as held for good, it is never in that order, and a growth of it is granted only while the others
+keep theirs; once whole, it joins the order (or, refused, waits as it was)."""
 
 from __future__ import annotations
 
@@ -14,18 +18,21 @@ from omnistage.engine.block_manager import BlockManager
 class KvGrowth:
     def __init__(self, blocks: BlockManager) -> None:
         self.blocks = blocks
-        self.limits: dict[str, int] = {}  # running request -> the most tokens it may come to hold
+        self.limits: dict[str, int] = {}  # running request with a known end -> the most tokens it may come to hold
         self.waits = 0  # grants refused
 
-    def grant(self, seq_id: str, tokens: int, limit: int) -> bool:
-        """Blocks for `tokens` rows of `seq_id`, which may come to hold `limit` (its limit from now on), unless
-        that could end in a deadlock or fewer blocks are free; False: nothing changed."""
+    def grant(self, seq_id: str, tokens: int, limit: int | None) -> bool:
+        """Blocks for `tokens` rows of `seq_id`, which may come to hold `limit` (its limit from now on; None: a
+        prompt still growing), unless that could end in a deadlock or fewer blocks are free; False: nothing
+        changed."""
         old = self.limits.get(seq_id)
         need = self.blocks.blocks_needed(seq_id, tokens)
-        self.limits[seq_id] = limit
-        if (need or old is None or limit > old) and not (need <= len(self.blocks.free) and self._safe(seq_id, need)):
+        if limit is not None:
+            self.limits[seq_id] = limit
+        check = need > 0 if limit is None else bool(need or old is None or limit > old)
+        if check and not (need <= len(self.blocks.free) and self._safe(seq_id, need)):
             if old is None:
-                del self.limits[seq_id]
+                self.limits.pop(seq_id, None)
             else:
                 self.limits[seq_id] = old
             self.waits += 1

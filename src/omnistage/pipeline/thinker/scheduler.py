@@ -29,11 +29,12 @@ class ThinkerScheduler:
         self.running: list[ThinkerSeq] = []
 
     def room(self, seq: ThinkerSeq, n: int) -> bool:
-        """KV blocks for `n` more rows (its limit: the prompt so far + max_tokens) and, once the prompt is whole,
-        a penalty row."""
+        """KV blocks for `n` more rows (its limit: prompt + max_tokens, once the prompt is whole) and then a
+        penalty row."""
         if seq.slot < 0 and not seq.open and not self.penalties.num_free:
             return False
-        if not self.kv.grant(seq.req.request_id, seq.num_computed + n, seq.prompt_len + seq.req.sampling.max_tokens):
+        limit = None if seq.open else seq.prompt_len + seq.req.sampling.max_tokens
+        if not self.kv.grant(seq.req.request_id, seq.num_computed + n, limit):
             return False
         if seq.slot < 0 and not seq.open:
             seq.slot = self.penalties.acquire(seq.prompt_ids)
