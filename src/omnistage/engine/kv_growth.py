@@ -27,13 +27,13 @@ class KvGrowth:
         changed."""
         old = self.limits.get(seq_id)
         need = self.blocks.blocks_needed(seq_id, tokens)
-        if limit is not None:
+        raised = limit is not None and (old is None or limit > old)
+        if raised:
             self.limits[seq_id] = limit
-        check = need > 0 if limit is None else bool(need or old is None or limit > old)
-        if check and not (need <= len(self.blocks.free) and self._safe(seq_id, need)):
-            if old is None:
-                self.limits.pop(seq_id, None)
-            else:
+        if (need or raised) and not (need <= len(self.blocks.free) and self._safe(seq_id, need)):
+            if raised and old is None:
+                del self.limits[seq_id]
+            elif raised:
                 self.limits[seq_id] = old
             self.waits += 1
             return False

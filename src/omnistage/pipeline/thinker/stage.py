@@ -87,10 +87,10 @@ class ThinkerStage(AsyncOutputStep):
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
-        caches = dict(kv_block_waits=self.scheduler.kv.waits, prefix_cache_queries=self.blocks.queries,
-                      prefix_cache_hits=self.blocks.hits,
-                      **(self.encoder_cache.stats() if self.encoder_cache is not None else {}))
-        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(), **caches)
+        counters = dict(kv_block_waits=self.scheduler.kv.waits, prefix_cache_queries=self.blocks.queries,
+                        prefix_cache_hits=self.blocks.hits,
+                        **(self.encoder_cache.stats() if self.encoder_cache is not None else {}))
+        return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(), **counters)
 
     def add(self, item: Request | PromptPiece) -> None:
         """A request, or more prompt for a growing one (applied in arrival order, after the requests
