@@ -125,6 +125,8 @@ def test_playback_stalls_on_hand_made_timings():
     assert (row["stalled_streams"], row["stall_s"]) == (2, pytest.approx(2.2))
     assert row["mean_stall_ms"] == pytest.approx(2200 / 3) and row["max_stall_ms"] == pytest.approx(1500)
     assert row["p50_stall_ms"] == pytest.approx(700) and row["first_ttfp_ms"] == 0.0
+    # late chunks 2 and 4 of the second stream (at 1.5 s and 3.5 s), chunk 1 of the third (2.9 s); row 0.5-3.51 s
+    assert row["stalls_by_chunk"] == [1, 1, 0, 1] and row["stalls_by_tenth"] == [0, 0, 0, 1, 0, 0, 0, 1, 0, 1]
 
 
 def _bench(*argv: str) -> int:

@@ -22,15 +22,22 @@ _METRICS = {"ttft": (1e3, "ttft_ms"), "ttfp": (1e3, "ttfp_ms"), "e2e": (1e3, "e2
             "itl": (1e3, "itl_ms"), "icg": (1e3, "icg_ms"), "stall": (1e3, "stall_ms")}
 
 
-def playback_stalls(times: Sequence[float], samples: Sequence[int]) -> tuple[int, float]:
-    """(count, seconds) of the stalls of chunks of `samples` arriving at `times` (seconds), played from the
-    first one on (which is never a stall)."""
-    count, stalled, play_end = 0, 0.0, times[0] if times else 0.0
-    for t, n in zip(times, samples, strict=True):
+def late_chunks(times: Sequence[float], samples: Sequence[int]) -> list[tuple[int, float]]:
+    """(index, seconds waited) of each chunk of `samples` arriving at `times` (seconds) after all the audio
+    before it played out, played from the first one on (which is never late)."""
+    late, play_end = [], times[0] if times else 0.0
+    for i, (t, n) in enumerate(zip(times, samples, strict=True)):
         if t > play_end:
-            count, stalled, play_end = count + 1, stalled + t - play_end, t
+            late.append((i, t - play_end))
+            play_end = t
         play_end += n / SAMPLE_RATE
-    return count, stalled
+    return late
+
+
+def playback_stalls(times: Sequence[float], samples: Sequence[int]) -> tuple[int, float]:
+    """(count, seconds) of the stalls of `late_chunks`."""
+    late = late_chunks(times, samples)
+    return len(late), sum(wait for _, wait in late)
 
 
 @dataclass
@@ -66,6 +73,18 @@ class RequestResult:
         return out
 
 
+def stall_spread(results: Sequence[RequestResult], start: float, duration: float) -> dict[str, list[int]]:
+    """Where a row's stalls fall: counts by the late chunk's index (1, 2, 3, 4 and later) and by the tenth of
+    the row's duration it arrived in (a burst's start against steady load)."""
+    by_chunk, by_tenth = [0] * 4, [0] * 10
+    for r in results:
+        for i, _ in late_chunks(r.audio_times, r.audio_chunks) if r.audio_chunks else ():
+            by_chunk[min(i, 4) - 1] += 1
+            at = (r.send + r.audio_times[i] - start) / duration if duration > 0 else 0.0
+            by_tenth[min(max(int(10 * at), 0), 9)] += 1
+    return {"stalls_by_chunk": by_chunk, "stalls_by_tenth": by_tenth}
+
+
 def _stats(values: list[float], scale: float, stem: str) -> dict[str, float | None]:
     if not values:
         return {f"mean_{stem}": None, **{f"p{p}_{stem}": None for p in PERCENTILES}}
@@ -81,8 +100,8 @@ def _mean(values: list[float | int | None]) -> float | None:
 def summarize(results: list[RequestResult], *, backend: str, concurrency: int, prompt_tokens: int,
               start: float, cancelled: int = 0) -> dict:
     """One row: counts, throughput over [start, last finish], mean/p50/p90/p99 of every metric (stall_ms:
-    each stream's stalled seconds, over all streams), the streams that stalled and their seconds, and the
-    TTFP of the request sent first (against the mean: what a cold start costs)."""
+    each stream's stalled seconds, over all streams), the streams that stalled and their seconds and where the
+    stalls fall (`stall_spread`), and the TTFP of the request sent first (against the mean: what a cold start costs)."""
     done = [r for r in results if r.ok]
     duration = max((r.finish for r in done), default=start) - start
     audio_s = sum(r.audio_s for r in done)
@@ -102,7 +121,7 @@ def summarize(results: list[RequestResult], *, backend: str, concurrency: int, p
         row.update(_stats([v for vals in per_request for v in vals[name]], scale, stem))
     stalls = [vals["stall"][0] for vals in per_request if vals["stall"]]
     row.update(stalled_streams=sum(s > 0 for s in stalls), stall_s=sum(stalls),
-               max_stall_ms=1e3 * max(stalls) if stalls else None)
+               max_stall_ms=1e3 * max(stalls) if stalls else None, **stall_spread(done, start, duration))
     first = min(done, key=lambda r: r.send, default=None)
     row["first_ttfp_ms"] = 1e3 * first.audio_times[0] if first and first.audio_times else None
     errors = sorted({r.error for r in results if not r.ok})
