@@ -133,3 +133,59 @@ def test_block_scales_need_the_block_size(tmp_path: Path) -> None:
     (tmp_path / "fp8" / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="weight_block_size"):  # read as plain numbers they would be wrong
         build_stage(load_config(tmp_path / "fp8"), "thinker", model_dir=tmp_path / "fp8", device=torch.device("cpu"), dtype=torch.float32)
+
+
+def _config_with(tmp_path: Path, name: str, quantization_config: dict | None) -> Path:
+    folder = tmp_path / name
+    folder.mkdir()
+    config = {"model_type": "qwen3_omni_moe"}
+    if quantization_config is not None:
+        config["quantization_config"] = quantization_config
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_which_checkpoints_are_published_in_fp8(tmp_path: Path) -> None:
+    from omnistage.models.qwen3_omni.fp8_checkpoint import published_fp8
+
+    fp8_group = {"group_0": {"weights": {"num_bits": 8, "type": "float", "strategy": "channel"}}}
+    int_group = {"group_0": {"weights": {"num_bits": 4, "type": "int", "strategy": "group"}}}
+    cases = {"qwen": ({"quant_method": "fp8", "weight_block_size": [128, 128]}, True),
+             "llm-compressor": ({"quant_method": "compressed-tensors", "config_groups": fp8_group}, True),
+             "modelopt": ({"quant_method": "modelopt", "quant_algo": "FP8"}, True),
+             "w4a16": ({"quant_method": "compressed-tensors", "config_groups": int_group}, False),
+             "awq": ({"quant_method": "awq", "bits": 4}, False), "bf16": (None, False)}
+    for name, (q, fp8) in cases.items():
+        assert published_fp8(_config_with(tmp_path, name, q)) is fp8, name
+
+
+def test_a_published_fp8_checkpoint_is_held_in_fp8(tmp_path: Path) -> None:
+    from omnistage.config_loader import default_deploy_config, load_deploy_config
+    from omnistage.entrypoints.omni import Omni
+    from omnistage.models.qwen3_omni.fp8_checkpoint import with_checkpoint_quantization
+
+    src = tiny_checkpoint("tiny")
+    expect = write_fp8_copy(src, tmp_path / "fp8", (16, 16))
+    deploy = load_deploy_config(default_deploy_config(src), "cpu")
+    held = with_checkpoint_quantization(deploy, tmp_path / "fp8")
+    assert [held.stage(s).quantization for s in ("thinker", "talker", "code2wav")] == ["fp8-all", "fp8-all", None]
+    assert with_checkpoint_quantization(deploy, src) is deploy  # bf16 checkpoint: as it is
+    talker_fp8 = {"stages": {"talker": {"quantization": "fp8"}}}
+    named = load_deploy_config(default_deploy_config(src), "cpu", overrides=talker_fp8)
+    assert with_checkpoint_quantization(named, tmp_path / "fp8").stage("talker").quantization == "fp8"  # named: kept
+
+    omni = Omni(tmp_path / "fp8", device="cpu", dtype="float32")
+    try:
+        experts = omni.engine.thinker.thinker.model.layers[0].mlp.experts
+        assert experts.gate_up_proj.dtype == torch.float8_e4m3fn
+        gate = expect["thinker.model.layers.0.mlp.experts.1.gate_proj.weight"]
+        scale = experts.gate_up_scale[1, : gate.shape[0]]
+        held_values = experts.gate_up_proj[1, : gate.shape[0]].float().detach() * scale[:, None]
+        # quantised again per row: each value within E4M3's rounding of the checkpoint's (2^-4 of itself, or
+        # 2^-10 of its row's scale below the normal range), none exactly as a misplaced scale would be
+        assert ((held_values - gate).abs() <= gate.abs() / 16 + scale[:, None] / 1024 + 1e-7).all()
+        out = omni.chat([{"role": "user", "content": "Say hello"}], sampling={"temperature": 0.0, "max_tokens": 4},
+                        talker_sampling={"max_frames": 4, "ignore_eos": True})
+        assert out.codes.shape == (16, 4) and out.audio.size > 0
+    finally:
+        omni.engine.shutdown()

@@ -19,6 +19,7 @@ from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
 from omnistage.layers.sampling import request_seed
 from omnistage.media import MediaPolicy, media_count
+from omnistage.models.qwen3_omni.fp8_checkpoint import with_checkpoint_quantization
 from omnistage.models.qwen3_omni.model import load_config
 from omnistage.models.qwen3_omni.prompt import PromptInputs, PromptProcessor
 from omnistage.outputs import NO_AUDIO_OUTPUT, OutputDelta
@@ -43,7 +44,8 @@ class Orchestrator:
         `placement`: "local" (threads of this process), "process" (a worker process per replica) or "ray"
         (actors); default: the deploy config's."""
         self.config = load_config(model_dir)
-        self.deploy = deploy or load_deploy_config(default_deploy_config(model_dir))
+        self.deploy = with_checkpoint_quantization(deploy or load_deploy_config(default_deploy_config(model_dir)),
+                                                   model_dir)
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         args = (model_dir, media_policy, self.deploy.mm_processor_kwargs, p.place("thinker")[1])  # NOTE: its dtype
         self.processor = PromptProcessor(*args)

@@ -5,20 +5,27 @@ weight, the block `quantization_config.weight_block_size` (Qwen's FP8 releases, 
 the thinker's and talker's linears and experts; encoders, code2wav, embeddings, norms and routers stay bf16);
 and E4M3 with `weight_scale` per tensor or per output channel (llm-compressor's `compressed-tensors`; its
 `input_scale` of static activation scales is not used: activations stay in the stage's dtype). In both a weight
-is `fp8 value x its block's (channel's) scale`. Here they are dequantised when loaded: the checkpoint's bytes and
-values, the bf16 model's memory.
+is `fp8 value x its block's (channel's) scale`. Here they are dequantised when loaded, and a checkpoint published
+in FP8 is held in FP8 (`with_checkpoint_quantization`: `quantization: fp8-all` where the deploy config names
+none), each weight quantised again per output row as it loads (`decoder.quantize_fp8`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
+from dataclasses import replace
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from omnistage.config import DeployConfig
+from omnistage.config_rules import QUANTIZED_STAGES
+
 FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 SCALES = (".weight_scale_inv", ".weight_scale", ".input_scale")
+logger = logging.getLogger(__name__)
 
 
 def weight_block(model_dir: str | Path) -> tuple[int, int] | None:
@@ -26,6 +33,33 @@ def weight_block(model_dir: str | Path) -> tuple[int, int] | None:
     config = json.loads((Path(model_dir) / "config.json").read_text())
     block = (config.get("quantization_config") or {}).get("weight_block_size")
     return None if block is None else (int(block[0]), int(block[1]))
+
+
+def published_fp8(model_dir: str | Path) -> bool:
+    """Whether config.json's `quantization_config` says FP8 weights: `quant_method` fp8 (Qwen's releases),
+    compressed-tensors with 8-bit float weights, or ModelOpt's FP8."""
+    config = json.loads((Path(model_dir) / "config.json").read_text())
+    q = config.get("quantization_config") or {}
+    method = str(q.get("quant_method", "")).lower()
+    if method == "compressed-tensors":
+        groups = (q.get("config_groups") or {}).values()
+        return any((g.get("weights") or {}).get("type") == "float" and (g.get("weights") or {}).get("num_bits") == 8
+                   for g in groups)
+    return method == "fp8" or (method == "modelopt" and "FP8" in str(q.get("quant_algo", "")).upper())
+
+
+def with_checkpoint_quantization(deploy: DeployConfig, model_dir: str | Path) -> DeployConfig:
+    """`deploy` with the thinker and talker held in FP8 (`fp8-all`: the projections the published checkpoints
+    quantise) where they name no `quantization`, when the checkpoint is published in FP8; else as it is."""
+    if not published_fp8(model_dir):
+        return deploy
+    stages = deploy.stages
+    for name in QUANTIZED_STAGES:
+        stage = getattr(stages, name)
+        if stage.quantization is None:
+            stages = replace(stages, **{name: replace(stage, quantization="fp8-all")})
+            logger.info("%s: the checkpoint is in FP8: held in FP8 (quantization fp8-all)", name)
+    return replace(deploy, stages=stages)
 
 
 def dequantize(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None) -> torch.Tensor:
