@@ -58,7 +58,7 @@ def test_server_metrics_over_http():
         client.get(path)
     metrics.observe_stage("talker", batch_size=12, queue_depth=3, kv_blocks_used=40, kv_blocks_total=100,
                           steps=50, busy_seconds=1.25, step_rows=600, graph_gpu_seconds=0.75, graph_replays=40,
-                          kv_block_waits=7)
+                          kv_block_waits=7, kv_swaps=2)
     metrics.observe_finished(e2e=3.0, ttft=0.08, ttfp=0.3, audio_seconds=4.0, last_audio=2.0)
     r = client.get("/metrics")
     assert r.headers["content-type"] == CONTENT_TYPE
@@ -75,6 +75,7 @@ def test_server_metrics_over_http():
     assert s['omnistage_stage_graph_gpu_seconds_total{stage="talker"}'] == 0.75
     assert s['omnistage_stage_graph_replays_total{stage="talker"}'] == 40
     assert s['omnistage_kv_block_waits_total{stage="talker"}'] == 7
+    assert s['omnistage_kv_swaps_total{stage="talker"}'] == 2
     assert s['omnistage_audio_rtf_bucket{le="0.4"}'] == 0 and s['omnistage_audio_rtf_bucket{le="0.5"}'] == 1
     assert s["omnistage_audio_rtf_sum"] == 0.5
     assert s['omnistage_time_to_first_token_seconds_bucket{le="0.1"}'] == 1

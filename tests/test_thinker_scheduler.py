@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.kv_growth import KvGrowth
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 
@@ -43,8 +44,12 @@ class _Seq:
         return self.prompt_len - self.num_computed
 
 
+def _kv() -> KvGrowth:
+    return KvGrowth(BlockManager(128, 4), torch.zeros(2, 1, 128, 4, 1, 1))
+
+
 def _steps(max_context: int, seqs: list[_Seq], n: int) -> list[list[tuple[str, int]]]:
-    sched = ThinkerScheduler(BlockManager(128, 4), PenaltyTable(4, 8, "cpu"), max_batch_size=4,
+    sched = ThinkerScheduler(_kv(), PenaltyTable(4, 8, "cpu"), max_batch_size=4,
                              token_budget=64, graph_tokens=64, max_context=max_context)
     sched.waiting.extend(seqs)
     out = []
@@ -76,7 +81,7 @@ def test_a_prompt_past_more_cached_rows_than_a_run_reads_still_runs_alone() -> N
 def test_an_open_prompt_with_no_rows_ready_holds_back_no_other_prefill() -> None:
     """A streamed prompt waiting for more audio (open, its rows all computed, many of them) takes no part in
     the step: the prefills after it still share it."""
-    sched = ThinkerScheduler(BlockManager(128, 4), PenaltyTable(4, 8, "cpu"), max_batch_size=4, token_budget=64,
+    sched = ThinkerScheduler(_kv(), PenaltyTable(4, 8, "cpu"), max_batch_size=4, token_budget=64,
                              graph_tokens=64, max_context=64)
     sched.running.extend([_Seq("a", 40, 8), _Seq("open", 60, 60, open=True), _Seq("b", 40, 8)])
     assert [(s.name, k) for s, k in sched.schedule()] == [("a", 32), ("b", 32)]

@@ -1,6 +1,6 @@
 """Where the server's time goes during one bench row: the per-stage step counters of /metrics
 (`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays}_total`,
-`omnistage_kv_block_waits_total`) and the request
+`omnistage_kv_block_waits_total`, `omnistage_kv_swaps_total`) and the request
 phase histogram (`omnistage_request_phase_seconds_{sum,count}`) read before and after the row."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 _COUNTER = re.compile(r'^omnistage_(?:stage_)?(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays|'
-                      r'kv_block_waits)_total\{stage="([^"]+)"\} (\S+)$', re.M)
+                      r'kv_block_waits|kv_swaps)_total\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
 # open request also reaches REALTIME_PHASES (between thinker_start and first_token)
@@ -19,7 +19,7 @@ REALTIME_PHASES = ("turn_end", "close", "closed")
 
 def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {stage: {"steps", "busy_seconds", "step_rows"[, "graph_gpu_seconds", "graph_replays",
-    "kv_block_waits"]}}."""
+    "kv_block_waits", "kv_swaps"]}}."""
     out: dict[str, dict[str, float]] = {}
     for name, stage, value in _COUNTER.findall(text):
         out.setdefault(stage, {})[name] = float(value)
@@ -71,7 +71,8 @@ def stage_summary(before: dict | None, after: dict | None, wall_s: float) -> dic
     """Per stage over a row of `wall_s` seconds: steps per second, mean step time (ms), busy fraction of
     the wall time (its worker inside a step), mean batch size; with CUDA graphs also the mean GPU time of a
     replay (ms) and the fraction of the wall time the stage's graphs ran on the GPU; where the stage grants KV as
-    requests grow, the grants it refused over the row (`kv_block_waits`)."""
+    requests grow, the grants it refused and the requests it swapped out over the row (`kv_block_waits`,
+    `kv_swaps`)."""
     if not before or not after or wall_s <= 0:
         return None
     out = {}
@@ -86,6 +87,7 @@ def stage_summary(before: dict | None, after: dict | None, wall_s: float) -> dic
             gpu = a["graph_gpu_seconds"] - b.get("graph_gpu_seconds", 0)
             replays = a["graph_replays"] - b.get("graph_replays", 0)
             out[stage].update(graph_ms=gpu / replays * 1e3 if replays else None, graph_gpu_fraction=gpu / wall_s)
-        if "kv_block_waits" in a:
-            out[stage]["kv_block_waits"] = a["kv_block_waits"] - b.get("kv_block_waits", 0)
+        for key in ("kv_block_waits", "kv_swaps"):
+            if key in a:
+                out[stage][key] = a[key] - b.get(key, 0)
     return out

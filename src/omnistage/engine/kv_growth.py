@@ -1,40 +1,34 @@
-"""KV blocks taken as requests grow, as vLLM allocates them (without its preemption). A request holds blocks for the
-rows computed so far and takes the next ones as it goes; `KvGrowth.grant` refuses a growth that could leave the
-running requests all waiting for blocks that none of them will free. After a grant there must still be an order in
-which each running request in turn can reach its limit (prompt + max_tokens, or the talker's prompt + max_frames)
-with the free blocks plus those the requests before it free when they end: the banker's algorithm with one kind
-of resource, run only when the free blocks are fewer than what all the limits still need. A refused request waits
-for a step and keeps what it holds; the one first in that order can always go on, so one always ends.
+"""KV blocks taken as requests grow, and given back for a while when they run out, as vLLM does (its swap
+preemption). A request holds blocks for the rows computed so far and takes the next ones as it goes (`grant`: while
+blocks are free; refused, it waits a step). Before each step the stage calls `make_room` with what its running
+requests' next rows take: the oldest requests swapped out come back first while that leaves those blocks free, then
+the newest running ones are swapped out (their blocks copied to host memory, bit for bit, and freed) while fewer
+are free, one always left running. A request swapped out skips the steps until it is back; nothing new is admitted
+meanwhile. Since a request alone always fits (`input_checks.check_fits`), the oldest one always goes on.
 
-A prompt still growing (a realtime turn being spoken) has no limit yet and cannot end before its user stops: its
-blocks count as held for good, it is never in that order, and a growth of it is granted only while the others
-keep theirs; once whole, it joins the order (or, refused, waits as it was)."""
+A prompt still growing (a realtime turn being spoken) is a running request like the others."""
 
 from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
 
 from omnistage.engine.block_manager import BlockManager
 
 
 class KvGrowth:
-    def __init__(self, blocks: BlockManager) -> None:
-        self.blocks = blocks
-        self.limits: dict[str, int] = {}  # running request with a known end -> the most tokens it may come to hold
-        self.waits = 0  # grants refused
+    def __init__(self, blocks: BlockManager, cache: torch.Tensor) -> None:
+        """`cache`: the stage's paged KV cache, `[2, layers, blocks, block_size, ...]` (`allocate_kv_cache`)."""
+        self.blocks, self.cache = blocks, cache
+        self.swapped: OrderedDict[str, torch.Tensor] = OrderedDict()  # request -> its blocks' rows on the host
+        self.waits = self.swaps = 0  # grants refused; requests swapped out
 
-    def grant(self, seq_id: str, tokens: int, limit: int | None) -> bool:
-        """Blocks for `tokens` rows of `seq_id`, which may come to hold `limit` (its limit from now on; None: a
-        prompt still growing), unless that could end in a deadlock or fewer blocks are free; False: nothing
-        changed."""
-        old = self.limits.get(seq_id)
+    def grant(self, seq_id: str, tokens: int, reserve: int = 0) -> bool:
+        """Blocks for `tokens` rows of `seq_id` in all, if that many are free beyond `reserve` (what the running
+        requests' next rows take: `make_room`'s, for an admission); False: nothing changed."""
         need = self.blocks.blocks_needed(seq_id, tokens)
-        raised = limit is not None and (old is None or limit > old)
-        if raised:
-            self.limits[seq_id] = limit
-        if (need or raised) and not (need <= len(self.blocks.free) and self._safe(seq_id, need)):
-            if raised and old is None:
-                del self.limits[seq_id]
-            elif raised:
-                self.limits[seq_id] = old
+        if need + reserve > len(self.blocks.free):
             self.waits += 1
             return False
         if need:
@@ -42,23 +36,39 @@ class KvGrowth:
         return True
 
     def release(self, seq_id: str) -> None:
-        self.limits.pop(seq_id, None)
+        self.swapped.pop(seq_id, None)
         self.blocks.release(seq_id)
 
-    def _safe(self, seq_id: str, extra: int) -> bool:
-        """Whether every limit stays reachable once `seq_id` holds `extra` more blocks."""
-        bs, tables = self.blocks.block_size, self.blocks.tables
-        free = len(self.blocks.free) - extra
-        rest = []
-        for sid, limit in self.limits.items():
-            held = len(tables.get(sid, ())) + (extra if sid == seq_id else 0)
-            rest.append((max(0, min(-(-limit // bs), self.blocks.num_blocks) - held), sid))
-        if sum(r for r, _ in rest) <= free:
-            return True
-        refs = self.blocks.refs
-        for r, sid in sorted(rest):  # NOTE: with one resource, the smallest remaining need first finds an order
-            if r > free:
-                return False
-            # NOTE: blocks shared through the prefix cache may outlive it: only its own count as freed
-            free += sum(refs[b] == 1 for b in tables.get(sid, ())) + (extra if sid == seq_id else 0)
-        return True
+    def make_room(self, needs: dict[str, int]) -> int:
+        """Before a step: `needs` the blocks each running request (not swapped out; oldest first) takes for its
+        next rows. Swapped-out requests come back, oldest first, while their blocks and one more leave those
+        free; then the newest running ones go out while fewer than those are free and more than one runs.
+        Returns the blocks the running requests' next rows take now."""
+        want = sum(needs.values())
+        for seq_id, rows in list(self.swapped.items()):
+            if rows.shape[2] + 1 + want > len(self.blocks.free):
+                break
+            self._swap_in(seq_id)
+            want += 1
+        running = list(needs)
+        while len(self.blocks.free) < want and len(running) > 1:
+            victim = running.pop()
+            want -= needs[victim]
+            self._swap_out(victim)
+        return want
+
+    def _swap_out(self, seq_id: str) -> None:
+        # NOTE: queued on the stage's stream behind the step in flight, which may still write these blocks
+        index = torch.tensor(self.blocks.tables.get(seq_id, []), dtype=torch.long, device=self.cache.device)
+        rows = self.cache.index_select(2, index)
+        if rows.is_cuda:  # NOTE: pinned, so that the copy back is ordered on the stream after this one
+            rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
+        self.swapped[seq_id] = rows
+        self.blocks.release(seq_id)
+        self.swaps += 1
+
+    def _swap_in(self, seq_id: str) -> None:
+        rows = self.swapped.pop(seq_id)
+        table = self.blocks.allocate(seq_id, rows.shape[2] * self.blocks.block_size)
+        index = torch.tensor(table, dtype=torch.long, device=self.cache.device)
+        self.cache.index_copy_(2, index, rows.to(self.cache.device, non_blocking=True))

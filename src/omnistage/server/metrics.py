@@ -21,6 +21,7 @@ RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0)
 
 STAGE_COUNTERS = {  # totals a stage's stats may carry besides the common ones
     "kv_block_waits": "KV block grants refused: the request waited a step (engine/kv_growth.py).",
+    "kv_swaps": "Requests swapped out to host memory when KV blocks ran out (engine/kv_growth.py).",
     "prefix_cache_queries": "Prompt tokens looked up in the prefix cache (as vLLM's).",
     "prefix_cache_hits": "Prompt tokens found there (not prefilled again).",
     "encoder_cache_queries": "Media items looked up in the encoder cache.",

@@ -54,8 +54,8 @@ class TalkerStage(AsyncOutputStep):
         self.tokens = TalkerTokens.from_config(config)
         self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
-        self.kv = KvGrowth(self.blocks)  # NOTE: a decode refused a block waits a step (engine/kv_growth.py)
-        allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
+        # NOTE: a decode refused a block waits a step; the newest are swapped out when blocks run out (kv_growth.py)
+        self.kv = KvGrowth(self.blocks, allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device))
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
         self.runner: TalkerGraphRunner | None = None
@@ -77,7 +77,7 @@ class TalkerStage(AsyncOutputStep):
 
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(),
-                    kv_block_waits=self.kv.waits, prefix_cache_queries=self.blocks.queries,
+                    kv_block_waits=self.kv.waits, kv_swaps=self.kv.swaps, prefix_cache_queries=self.blocks.queries,
                     prefix_cache_hits=self.blocks.hits)
 
     def add(self, chunk: TextChunk) -> None:
@@ -141,22 +141,28 @@ class TalkerStage(AsyncOutputStep):
         self.waiting.append(seq)
 
     def _schedule(self) -> list[tuple[TalkerSeq, torch.Tensor]]:
+        """Room made for the running requests' next rows (`KvGrowth.make_room`), requests admitted while none is
+        swapped out and blocks are left beyond those, then a prefill or decode row for each running one."""
         self._receive()
-        while self.waiting:
+        swapped = self.kv.swapped
+        running = [s for s in self.seqs.values() if s.slot >= 0]
+        reserve = self.kv.make_room({s.req.request_id: self._next_blocks(s) for s in running
+                                     if s.req.request_id not in swapped})
+        while self.waiting and not swapped:
             seq = self.waiting[0]
             take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
-            if not (self.penalties.num_free and self._room(seq, seq.prompt_rows.shape[0])):
+            if not (self.penalties.num_free and self.kv.grant(seq.req.request_id, seq.prompt_rows.shape[0], reserve)):
                 break
             seq.slot = self.penalties.acquire()
             self.waiting.popleft()
         batch, decodes = [], []
         for seq in self.seqs.values():
-            if (seq in self.waiting or len(batch) + len(decodes) >= self.max_batch_size
+            if (seq.slot < 0 or seq.req.request_id in swapped or len(batch) + len(decodes) >= self.max_batch_size
                     or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
                 continue
             if not seq.prefilled:
                 batch.append((seq, seq.prompt_rows[seq.num_computed:]))
-            elif self._room(seq, seq.num_computed + 1) and (text := seq.next_text()) is not None:
+            elif self.kv.grant(seq.req.request_id, seq.num_computed + 1) and (text := seq.next_text()) is not None:
                 decodes.append((seq, text))
         self.step_requests = [s.req for s, _ in batch] + [s.req for s, _ in decodes]
         if decodes:
@@ -165,10 +171,10 @@ class TalkerStage(AsyncOutputStep):
             batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
 
-    def _room(self, seq: TalkerSeq, rows: int) -> bool:
-        """KV blocks for its first `rows` rows, within its limit of prompt + max_frames."""
-        limit = seq.prompt_rows.shape[0] + seq.req.talker_sampling.max_frames
-        return self.kv.grant(seq.req.request_id, rows, limit)
+    def _next_blocks(self, seq: TalkerSeq) -> int:
+        """The blocks its next row takes (its prompt's are taken at admission)."""
+        decodes = seq.prefilled and seq.frames < seq.req.talker_sampling.max_frames
+        return self.blocks.blocks_needed(seq.req.request_id, seq.num_computed + 1) if decodes else 0
 
     def _tokens(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> int:
         return sum(rows.shape[0] for _, rows in batch)

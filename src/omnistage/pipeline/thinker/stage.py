@@ -10,6 +10,7 @@ import torch
 
 from omnistage.config import StageConfig
 from omnistage.engine.block_manager import BlockManager
+from omnistage.engine.kv_growth import KvGrowth
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
 from omnistage.layers import triton_ops
@@ -53,7 +54,7 @@ class ThinkerStage(AsyncOutputStep):
         p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
         self.blocks = BlockManager(num_blocks, block_size, encoder_cache_bytes)  # NOTE: the prefix's mm rows
-        allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
+        cache = allocate_kv_cache(thinker.model, num_blocks, block_size, p.dtype, p.device)
         self.penalties = PenaltyTable(max_batch_size, thinker.lm_head.out_features, p.device)
         self.runner: ThinkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
@@ -80,14 +81,16 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
-        self.scheduler = ThinkerScheduler(self.blocks, self.penalties, max_batch_size, max_num_batched_tokens,
-                                          self.graph_tokens, self.prefill.max_context if self.prefill else 0)
+        self.scheduler = ThinkerScheduler(KvGrowth(self.blocks, cache), self.penalties, max_batch_size,
+                                          max_num_batched_tokens, self.graph_tokens,
+                                          self.prefill.max_context if self.prefill else 0)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
-        counters = dict(kv_block_waits=self.scheduler.kv.waits, prefix_cache_queries=self.blocks.queries,
+        kv = self.scheduler.kv
+        counters = dict(kv_block_waits=kv.waits, kv_swaps=kv.swaps, prefix_cache_queries=self.blocks.queries,
                         prefix_cache_hits=self.blocks.hits,
                         **(self.encoder_cache.stats() if self.encoder_cache is not None else {}))
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(), **counters)
