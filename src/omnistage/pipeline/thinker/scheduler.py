@@ -2,8 +2,9 @@
 
 Every running decode first (one row each, up to `max_batch_size`), then prefill chunks within the token
 budget: the running prompts' next chunks, then waiting prompts in arrival order (their cached prefix taken
-first). KV blocks are taken as rows are scheduled (engine/kv_growth.py: a decode refused a block waits a step), a
-penalty row once the prompt is whole; `release` gives them back.
+first, none while a request is swapped out). KV blocks are taken as rows are scheduled (engine/kv_growth.py: room
+made first, the newest swapped out while it runs out; a row refused a block waits a step), a penalty row once the
+prompt is whole; `release` gives them back.
 """
 
 from __future__ import annotations
