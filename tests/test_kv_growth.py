@@ -176,7 +176,7 @@ def test_a_small_kv_cache_runs_answers_together_and_exactly() -> None:
     thinker, talker = (2 * -(-max(lim[i] for lim in limits) // 16) - 1 for i in (0, 1))
     o = engine({"thinker": thinker, "talker": talker})
     assert o.engine.thinkers[0].blocks.num_blocks == thinker and o.engine.talkers[0].blocks.num_blocks == talker
-    seen = {"thinker": spy(o.engine.thinkers[0].scheduler.kv), "talker": spy(o.engine.talkers[0].kv)}
+    seen = {"thinker": spy(o.engine.thinkers[0].scheduler.kv), "talker": spy(o.engine.talkers[0].scheduler.kv)}
     try:
         got, stats = answers(o), o.engine.stats()
     finally:

@@ -4,7 +4,6 @@ then needs one text row per frame; it waits only when the thinker lags."""
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -17,7 +16,6 @@ from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
 from omnistage.models.qwen3_omni.talker_prompt_rows import (
-    ASSISTANT_ROWS,
     PromptSource,
     prompt_embeds_batch,
     prompt_source,
@@ -27,8 +25,9 @@ from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
 from omnistage.pipeline.faults import StepFaults, together
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.talker.frame_step import TalkerFrameStep
-from omnistage.pipeline.talker.prefix import prompt_hashes, register_prefix, take_prefix
+from omnistage.pipeline.talker.prefix import prompt_hashes, register_prefix
 from omnistage.pipeline.talker.runner import TalkerGraphRunner
+from omnistage.pipeline.talker.scheduler import TalkerScheduler
 from omnistage.pipeline.talker.seq import Launched, TalkerSeq, frame_batch
 
 
@@ -52,12 +51,12 @@ class TalkerStage(AsyncOutputStep):
         self.device, self.dtype = p.device, p.dtype
         talker.set_tts_embeds(thinker_tts_embeds.to(self.device))
         self.tokens = TalkerTokens.from_config(config)
-        self.max_batch_size = max_batch_size
         self.blocks = BlockManager(num_blocks, block_size)
-        # NOTE: a decode refused a block waits a step; the newest are swapped out when blocks run out (kv_growth.py)
-        self.kv = KvGrowth(self.blocks, allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device))
+        cache = allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
+        self.scheduler = TalkerScheduler(KvGrowth(self.blocks, cache), self.penalties, max_batch_size)
+        self.seqs, self.waiting = self.scheduler.seqs, self.scheduler.waiting  # the same queues
         self.runner: TalkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
         if cuda_graph:
@@ -70,26 +69,20 @@ class TalkerStage(AsyncOutputStep):
         self.prefix_caching = prefix_caching
         self.frame_step = TalkerFrameStep(talker, self.blocks, self.penalties, self.runner, self.prefill)
         self.inbox: Inbox[TextChunk] = Inbox()
-        self.seqs: dict[str, TalkerSeq] = {}
-        self.waiting: deque[TalkerSeq] = deque()
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
 
     def stats(self) -> dict[str, int]:
         return dict(batch_size=self.last_batch, queue_depth=len(self.waiting), **self.blocks.stats(),
-                    kv_block_waits=self.kv.waits, kv_swaps=self.kv.swaps, prefix_cache_queries=self.blocks.queries,
+                    kv_block_waits=self.scheduler.kv.waits, kv_swaps=self.scheduler.kv.swaps,
+                    prefix_cache_queries=self.blocks.queries,
                     prefix_cache_hits=self.blocks.hits)
 
     def add(self, chunk: TextChunk) -> None:
         self.inbox.put(chunk)
 
     def abort(self, request_id: str) -> None:
-        seq = self.seqs.pop(request_id, None)
-        if seq is not None and seq in self.waiting:
-            self.waiting.remove(seq)
-        if seq is not None and seq.slot >= 0:
-            self.penalties.release(seq.slot)
-        self.kv.release(request_id)
+        self.scheduler.release(request_id)
 
     @property
     def num_active(self) -> int:
@@ -137,44 +130,18 @@ class TalkerStage(AsyncOutputStep):
         if self.prefix_caching:
             seq.block_hashes = prompt_hashes(chunk.prompt.prompt_ids, req.prompt, self.tokens,
                                              self.blocks.block_size, chunk.prompt.mm_hidden is not None)
-        self.seqs[req.request_id] = seq
-        self.waiting.append(seq)
+        self.scheduler.add(seq)
 
     def _schedule(self) -> list[tuple[TalkerSeq, torch.Tensor]]:
-        """Room made for the running requests' next rows (`KvGrowth.make_room`), requests admitted while none is
-        swapped out and blocks are left beyond those, then a prefill or decode row for each running one."""
+        """The scheduler's prefills, then its decodes with their input rows (last frame's codec embedding + text)."""
         self._receive()
-        swapped = self.kv.swapped
-        running = [s for s in self.seqs.values() if s.slot >= 0]
-        reserve = self.kv.make_room({s.req.request_id: self._next_blocks(s) for s in running
-                                     if s.req.request_id not in swapped})
-        while self.waiting and not swapped:
-            seq = self.waiting[0]
-            take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
-            if not (self.penalties.num_free and self.kv.grant(seq.req.request_id, seq.prompt_rows.shape[0], reserve)):
-                break
-            seq.slot = self.penalties.acquire()
-            self.waiting.popleft()
-        batch, decodes = [], []
-        for seq in self.seqs.values():
-            if (seq.slot < 0 or seq.req.request_id in swapped or len(batch) + len(decodes) >= self.max_batch_size
-                    or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
-                continue
-            if not seq.prefilled:
-                batch.append((seq, seq.prompt_rows[seq.num_computed:]))
-            elif self.kv.grant(seq.req.request_id, seq.num_computed + 1) and (text := seq.next_text()) is not None:
-                decodes.append((seq, text))
+        batch, decodes = self.scheduler.schedule()
         self.step_requests = [s.req for s, _ in batch] + [s.req for s, _ in decodes]
         if decodes:
             embeds, finals = zip(*(t for _, t in decodes))
             rows = torch.stack([s.codec_embed for s, _ in decodes]) + text_rows(self.talker, embeds, finals)
             batch += [(s, rows[i:i + 1]) for i, (s, _) in enumerate(decodes)]
         return batch
-
-    def _next_blocks(self, seq: TalkerSeq) -> int:
-        """The blocks its next row takes (its prompt's are taken at admission)."""
-        decodes = seq.prefilled and seq.frames < seq.req.talker_sampling.max_frames
-        return self.blocks.blocks_needed(seq.req.request_id, seq.num_computed + 1) if decodes else 0
 
     def _tokens(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> int:
         return sum(rows.shape[0] for _, rows in batch)

@@ -1,0 +1,70 @@
+"""The talker's scheduler: which requests each step runs, over the admitted requests' `TalkerSeq`s.
+
+Room first for the running requests' next rows (engine/kv_growth.py: the newest swapped out while KV blocks run
+out), then waiting requests in arrival order (their cached prefix taken first) while none is swapped out and
+blocks are left beyond that room (their prompt's blocks and a penalty row taken at once), then each running
+request's prompt rows, or its next frame once its text row is there (a row refused a block waits a step);
+`release` gives them back."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from omnistage.engine.kv_growth import KvGrowth
+from omnistage.engine.penalty_table import PenaltyTable
+from omnistage.models.qwen3_omni.talker_prompt_rows import ASSISTANT_ROWS
+from omnistage.pipeline.talker.prefix import take_prefix
+from omnistage.pipeline.talker.seq import TalkerSeq
+
+Text = tuple[torch.Tensor | None, bool]  # a frame's text row input (`TalkerSeq.next_text`)
+
+
+class TalkerScheduler:
+    def __init__(self, kv: KvGrowth, penalties: PenaltyTable, max_batch_size: int) -> None:
+        self.kv, self.blocks, self.penalties, self.max_batch_size = kv, kv.blocks, penalties, max_batch_size
+        self.seqs: dict[str, TalkerSeq] = {}  # admitted (running once it has a penalty row), in arrival order
+        self.waiting: deque[TalkerSeq] = deque()
+
+    def add(self, seq: TalkerSeq) -> None:
+        self.seqs[seq.req.request_id] = seq
+        self.waiting.append(seq)
+
+    def schedule(self) -> tuple[list[tuple[TalkerSeq, torch.Tensor]], list[tuple[TalkerSeq, Text]]]:
+        """(prefills: each with its prompt rows still to compute, decodes: each with its text row)."""
+        swapped = self.kv.swapped
+        running = [s for s in self.seqs.values() if s.slot >= 0]
+        reserve = self.kv.make_room({s.req.request_id: self._next_blocks(s) for s in running
+                                     if s.req.request_id not in swapped})
+        while self.waiting and not swapped:
+            seq = self.waiting[0]
+            take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
+            if not (self.penalties.num_free and self.kv.grant(seq.req.request_id, seq.prompt_rows.shape[0], reserve)):
+                break
+            seq.slot = self.penalties.acquire()
+            self.waiting.popleft()
+        prefills, decodes = [], []
+        for seq in self.seqs.values():
+            if (seq.slot < 0 or seq.req.request_id in swapped or len(prefills) + len(decodes) >= self.max_batch_size
+                    or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
+                continue
+            if not seq.prefilled:
+                prefills.append((seq, seq.prompt_rows[seq.num_computed:]))
+            elif self.kv.grant(seq.req.request_id, seq.num_computed + 1) and (text := seq.next_text()) is not None:
+                decodes.append((seq, text))
+        return prefills, decodes
+
+    def release(self, request_id: str) -> None:
+        """Its penalty row and KV blocks back; out of the queues."""
+        seq = self.seqs.pop(request_id, None)
+        if seq is not None and seq in self.waiting:
+            self.waiting.remove(seq)
+        if seq is not None and seq.slot >= 0:
+            self.penalties.release(seq.slot)
+        self.kv.release(request_id)
+
+    def _next_blocks(self, seq: TalkerSeq) -> int:
+        """The blocks its next row takes (its prompt's are taken at admission)."""
+        decodes = seq.prefilled and seq.frames < seq.req.talker_sampling.max_frames
+        return self.blocks.blocks_needed(seq.req.request_id, seq.num_computed + 1) if decodes else 0
