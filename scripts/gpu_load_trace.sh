@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One server (the shipped deploy config, full size, seeded random weights) with every stage's step trace on
 # ($OUT/trace-server/), three rows in one results file, the clock (perf_counter, the trace's) before each in
-# $OUT/clock.txt so the trace splits by row (scripts/step_trace_summary.py reads it):
+# $OUT/clock.txt so the trace splits by row (scripts/step_trace_summary.py --clock FILE --row NAME):
 #   1. read-aloud P = 160 at c = 64, BENCH_K (10) x 64 requests: where c = 64's stalls fall (`stalls_by_chunk`,
 #      `stalls_by_tenth`) against the trace;
 #   2. realtime 20 s turns at BENCH_RT_SESSIONS (32) sessions, 2 turns each: where the close's time goes;

@@ -3,7 +3,9 @@ the steps' wall ms (mean, p50, p90, max) over all steps and over those with more
 (prefills; code2wav's chunks of frames), then each stage's steps from `--before` ms ahead of to `--after` ms
 behind the largest prefills of `--stage` (a burst), so long steps and waits show where they happen.
 
-    python scripts/step_trace_summary.py OUT/local/trace-server [--stage talker] [--bursts 3]"""
+    python scripts/step_trace_summary.py OUT/local/trace-server [--stage talker] [--bursts 3]
+        [--clock OUT/clock.txt --row realtime]   (only the steps between that mark and the next:
+                                                  scripts/gpu_load_trace.sh writes the marks)"""
 
 from __future__ import annotations
 
@@ -22,6 +24,14 @@ def load(trace_dir: Path) -> dict[str, list[dict]]:
 
 def prefill_rows(step: dict) -> int:
     return max(0, (step["tokens"] or step["rows"]) - step["rows"])
+
+
+def between(steps: dict[str, list[dict]], clock: Path, row: str) -> dict[str, list[dict]]:
+    """The steps from `row`'s mark in `clock` ("name perf_counter" lines, in order) to the next mark."""
+    marks = [line.split() for line in clock.read_text().splitlines() if line.strip()]
+    i = next(k for k, (name, _) in enumerate(marks) if name == row)
+    start, end = float(marks[i][1]), float(marks[i + 1][1]) if i + 1 < len(marks) else float("inf")
+    return {name: [s for s in ss if start <= s["t"] < end] for name, ss in steps.items()}
 
 
 def wall_stats(steps: list[dict]) -> str:
@@ -46,8 +56,12 @@ def main() -> None:
     ap.add_argument("--bursts", type=int, default=2)
     ap.add_argument("--before", type=float, default=50.0)
     ap.add_argument("--after", type=float, default=300.0)
+    ap.add_argument("--clock", type=Path, default=None, help="marks between rows (with --row)")
+    ap.add_argument("--row", default=None)
     args = ap.parse_args()
     steps = load(args.trace_dir)
+    if args.clock is not None and args.row is not None:
+        steps = between(steps, args.clock, args.row)
     for name, ss in steps.items():
         print(f"{name:9s} all: {wall_stats(ss)}")
         print(f"{'':9s} more input rows than rows: {wall_stats([s for s in ss if prefill_rows(s)])}")

@@ -35,3 +35,15 @@ def test_summary_and_burst_window(tmp_path, capsys, monkeypatch):
     window = out[out.index("talker step with 54 prefill rows at t = 10.020:") + 1:]
     assert [line.split()[0] for line in window] == ["-10.0", "+0.0", "+50.0"]  # not 10.5: past --after
     assert window[0].endswith("thinker       8.0 ms  rows   2  extra 298")
+
+
+def test_a_row_between_two_clock_marks(tmp_path):
+    _write(tmp_path / "talker.jsonl", [(10.0, 10.0, 4, 4), (10.02, 40.0, 6, 60), (10.07, 20.0, 6, 6)])
+    _write(tmp_path / "thinker.jsonl", [(9.9, 5.0, 2, 2), (10.01, 8.0, 2, 300), (10.5, 5.0, 2, 2)])
+    (tmp_path / "clock.txt").write_text("first 9.95\nsecond 10.05\nlast 10.5\n")
+    mod = _module()
+    steps = mod.load(tmp_path)
+    second = mod.between(steps, tmp_path / "clock.txt", "second")
+    assert [s["t"] for s in second["talker"]] == [10.07] and second["thinker"] == []  # 10.5 is the next mark's
+    last = mod.between(steps, tmp_path / "clock.txt", "last")
+    assert [s["t"] for s in last["thinker"]] == [10.5] and last["talker"] == []
