@@ -39,14 +39,17 @@ def test_a_grant_takes_the_rows_computed_within_what_is_free() -> None:
     assert len(kv.blocks.free) == 10
 
 
-def test_the_newest_go_out_when_blocks_run_out_and_come_back_bit_for_bit() -> None:
+def test_the_newest_go_out_when_blocks_run_out_and_come_back_bit_for_bit(caplog: pytest.LogCaptureFixture) -> None:
     kv = growth(8, 1)
+    kv.name = "talker"
     for sid, rows, value in (("a", 3, 1.0), ("b", 2, 2.0), ("c", 2, 3.0)):
         assert kv.grant(sid, rows)
         fill(kv, sid, value)
     # 1 free; a, b and c each take a block next: c (the newest) goes out, then 3 free for a and b
     assert kv.make_room({"a": 1, "b": 1, "c": 1}) == 2 and list(kv.swapped) == ["c"] and kv.swaps == 1
     assert "c" not in kv.blocks.tables and len(kv.blocks.free) == 3
+    warned = "talker: KV cache full, request c swapped out to host memory"
+    assert [r.getMessage()[:len(warned)] for r in caplog.records] == [warned]
     assert kv.grant("a", 4) and kv.grant("b", 3)
     fill(kv, "a", 1.0)
     fill(kv, "b", 2.0)
@@ -55,6 +58,16 @@ def test_the_newest_go_out_when_blocks_run_out_and_come_back_bit_for_bit() -> No
     assert kv.make_room({}) == 2 and not kv.swapped  # c back (its 2 blocks + 1), then b (3 + 1): oldest first
     assert len(kv.blocks.tables["c"]) == 2 and kv.cache[:, :, kv.blocks.tables["c"]].eq(3.0).all()
     assert len(kv.blocks.tables["b"]) == 3 and kv.cache[:, :, kv.blocks.tables["b"]].eq(2.0).all()
+
+
+def test_a_warning_every_50_swaps(caplog: pytest.LogCaptureFixture) -> None:
+    kv = growth(4, 1)
+    for n in range(120):
+        assert kv.grant(f"r{n}", 1)
+        kv.make_room({f"r{n - 1}": 1, f"r{n}": 4} if n else {})  # r{n-1} (alone left) runs, r{n} goes out
+        kv.release(f"r{n}")
+    assert kv.swaps == 119 and [r.getMessage().split("(")[1][:12] for r in caplog.records] == [
+        "1 so far): i", "51 so far): ", "101 so far):"]
 
 
 def test_one_request_always_runs() -> None:

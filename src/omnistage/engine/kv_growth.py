@@ -10,17 +10,22 @@ A prompt still growing (a realtime turn being spoken) is a running request like 
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 
 import torch
 
 from omnistage.engine.block_manager import BlockManager
 
+logger = logging.getLogger(__name__)
+WARN_EVERY = 50  # swaps between two warnings, as vLLM's preemption warning
+
 
 class KvGrowth:
-    def __init__(self, blocks: BlockManager, cache: torch.Tensor) -> None:
-        """`cache`: the stage's paged KV cache, `[2, layers, blocks, block_size, ...]` (`allocate_kv_cache`)."""
-        self.blocks, self.cache = blocks, cache
+    def __init__(self, blocks: BlockManager, cache: torch.Tensor, name: str = "") -> None:
+        """`cache`: the stage's paged KV cache, `[2, layers, blocks, block_size, ...]` (`allocate_kv_cache`);
+        `name`: the stage's, for the log."""
+        self.blocks, self.cache, self.name = blocks, cache, name
         self.swapped: OrderedDict[str, torch.Tensor] = OrderedDict()  # request -> its blocks' rows on the host
         self.waits = self.swaps = 0  # grants refused; requests swapped out
 
@@ -65,6 +70,10 @@ class KvGrowth:
             rows = torch.empty(rows.shape, dtype=rows.dtype, pin_memory=True).copy_(rows, non_blocking=True)
         self.swapped[seq_id] = rows
         self.blocks.release(seq_id)
+        if self.swaps % WARN_EVERY == 0:
+            logger.warning("%s: KV cache full, request %s swapped out to host memory (%d so far): its output pauses "
+                           "until blocks free; more KV (gpu_memory_utilization, kv_cache_memory) or lower max_tokens / "
+                           "max_audio_frames avoid it", self.name, seq_id, self.swaps + 1)
         self.swaps += 1
 
     def _swap_in(self, seq_id: str) -> None:

@@ -55,7 +55,7 @@ class TalkerStage(AsyncOutputStep):
         cache = allocate_kv_cache(talker.model, num_blocks, block_size, p.dtype, p.device)
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
-        self.scheduler = TalkerScheduler(KvGrowth(self.blocks, cache), self.penalties, max_batch_size)
+        self.scheduler = TalkerScheduler(KvGrowth(self.blocks, cache, "talker"), self.penalties, max_batch_size)
         self.seqs, self.waiting = self.scheduler.seqs, self.scheduler.waiting  # the same queues
         self.runner: TalkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None

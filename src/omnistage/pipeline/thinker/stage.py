@@ -81,7 +81,7 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
-        self.scheduler = ThinkerScheduler(KvGrowth(self.blocks, cache), self.penalties, max_batch_size,
+        self.scheduler = ThinkerScheduler(KvGrowth(self.blocks, cache, "thinker"), self.penalties, max_batch_size,
                                           max_num_batched_tokens, self.graph_tokens,
                                           self.prefill.max_context if self.prefill else 0)
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
