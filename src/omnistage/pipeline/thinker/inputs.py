@@ -149,9 +149,11 @@ def encode_together(thinker: torch.nn.Module, prompts: list[PromptInputs], devic
         else None
 
 
-def new_seq(thinker: torch.nn.Module, req: Request, media: Media, tokenizer: Any, spec: RopeSpec) -> ThinkerSeq:
-    """A request's thinker state: prompt embeddings with its encoder rows, DeepStack rows, positions."""
-    p, device = req.prompt, next(thinker.parameters()).device
+def new_seq(thinker: torch.nn.Module, req: Request, prompt: PromptInputs, media: Media, tokenizer: Any,
+            spec: RopeSpec) -> ThinkerSeq:
+    """A request's thinker state from `prompt` (the one `media` was encoded from: a growing request's
+    `req.prompt` may be replaced meanwhile): prompt embeddings with its encoder rows, DeepStack rows, positions."""
+    p, device = prompt, next(thinker.parameters()).device
     # NOTE: ids and their mask stay on the host: on the device, `has_mm` (and the talker's prompt masks)
     # would each sync with the step in flight; only the embedding lookup reads them there.
     ids = torch.tensor(p.input_ids)

@@ -15,6 +15,7 @@ from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
 from omnistage.layers import triton_ops
 from omnistage.layers.attention import allocate_kv_cache
+from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import RopeSpec
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
@@ -109,11 +110,12 @@ class ThinkerStage(AsyncOutputStep):
     def num_active(self) -> int:
         return len(self.waiting) + len(self.running)
 
-    def _admit(self, req: Request, media: Media | None = None) -> ThinkerSeq:
-        """`media`: the request's encoder rows when they were encoded with others; else encoded here."""
-        media = media or encode_media(self.thinker, [req.prompt], self.device, self.dtype, self.encoder_cache,
+    def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
+        """`media`: `prompt`'s encoder rows when they were encoded with others; else encoded here."""
+        prompt = prompt or req.prompt  # NOTE: read once: a far copy's prompt is renewed on another thread
+        media = media or encode_media(self.thinker, [prompt], self.device, self.dtype, self.encoder_cache,
                                       self.vision, self.audio)[0]
-        seq = new_seq(self.thinker, req, media, self.tokenizer, self.rope)
+        seq = new_seq(self.thinker, req, prompt, media, self.tokenizer, self.rope)
         req.mark("encoded")
         seq.open = req.growing
         if self.prefix_caching:
@@ -138,10 +140,11 @@ class ThinkerStage(AsyncOutputStep):
         (seq, new tokens) for this step."""
         items = self.inbox.drain()
         reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
-        media = encode_together(self.thinker, [r.prompt for r in reqs], self.device, self.dtype, self.encoder_cache,
-                                self.vision, self.audio)
+        prompts = [r.prompt for r in reqs]
+        media = encode_together(self.thinker, prompts, self.device, self.dtype, self.encoder_cache, self.vision,
+                                self.audio)
         for i, req in enumerate(reqs):
-            if (seq := self.faults.run(req, self._admit, req, media and media[i])) is not None:
+            if (seq := self.faults.run(req, self._admit, req, prompts[i], media and media[i])) is not None:
                 self.waiting.append(seq)
         pieces = [p for p in items if isinstance(p, PromptPiece) and not p.request.aborted]
         for piece, rows in zip(pieces, piece_rows(self.thinker, pieces, self.device, self.dtype, self.audio)):
