@@ -11,11 +11,14 @@ import numpy as np
 import pytest
 import torch
 
+from omnistage.config import DeployConfig
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.kv_growth import KvGrowth
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline.placement.memory import min_blocks
+from omnistage.pipeline.placement.sizing import largest_request
 
 
 def growth(num_blocks: int, block_size: int) -> KvGrowth:
@@ -142,18 +145,24 @@ def test_a_request_sharing_prefix_blocks_comes_back_with_them_as_its_own() -> No
     assert kv.cache[0, 0, kv.blocks.tables["b"], 0, 0, 0].tolist() == [5.0] * 4 + [6.0] * 2
 
 
-def engine(kv_blocks: dict[str, int] | None, device: str = "cpu") -> Omni:
-    """The tiny checkpoint's engine; `kv_blocks`: KV blocks per stage (fp32 on the CPU: thinker 16 KiB, talker
-    8 KiB a block; bf16 on CUDA half that, with its CUDA graphs)."""
-    d = tiny_checkpoint("tiny")
+def deploy(kv_blocks: dict[str, int] | None, device: str = "cpu") -> DeployConfig:
+    """The tiny checkpoint's config; `kv_blocks`: KV blocks per stage (fp32 on the CPU: thinker 16 KiB, talker
+    8 KiB a block; bf16 on CUDA half that, with its CUDA graphs, and defaults no larger than the answers: the
+    CUDA sizing refuses a cache that cannot hold one request of the largest default size)."""
     per_block = {"thinker": 1 << 14, "talker": 1 << 13} if device == "cpu" else {"thinker": 1 << 13, "talker": 1 << 12}
     stages = {s: {"kv_cache_memory": n * per_block[s]} for s, n in (kv_blocks or {}).items()}
     graphs = {"cuda_graph_batch_sizes": [1, 2, 4], "cuda_graph_capture_widths": [], "cuda_graph_prefill_tokens": [64]}
+    small = {"thinker": {"max_num_batched_tokens": 64, "sampling": {"max_tokens": TOKENS}},
+             "talker": {"sampling": {"max_frames": FRAMES}}}
     if device != "cpu":
-        stages = {s: {**graphs, **stages.get(s, {})} for s in ("thinker", "talker")}
-    cfg = load_deploy_config(default_deploy_config(d), platform=device, overrides={
+        stages = {s: {**graphs, **small[s], **stages.get(s, {})} for s in ("thinker", "talker")}
+    cfg = load_deploy_config(default_deploy_config(tiny_checkpoint("tiny")), platform=device, overrides={
         "stages": stages, "placement": "local"})  # the tests read its stages in this process
-    return Omni(d, deploy=replace(cfg, enable_prefix_caching=False), device=device)
+    return replace(cfg, enable_prefix_caching=False)
+
+
+def engine(kv_blocks: dict[str, int] | None, device: str = "cpu") -> Omni:
+    return Omni(tiny_checkpoint("tiny"), deploy=deploy(kv_blocks, device), device=device)
 
 
 TOKENS, FRAMES = 64, 56  # each stage's KV cache at least 8 blocks (placement/sizing.fixed_blocks)
@@ -201,6 +210,13 @@ def test_a_small_kv_cache_runs_answers_together_and_exactly() -> None:
         assert np.array_equal(a.codes, b.codes) and a.codes.shape[1] == FRAMES
         np.testing.assert_allclose(a.audio, b.audio, rtol=0, atol=1e-6)
     assert all(stats[s]["kv_blocks_used"] == 0 for s in ("thinker", "talker")), stats
+
+
+def test_the_cuda_caches_hold_one_request_of_the_largest_default_size() -> None:
+    # as the CUDA sizing checks them (`plan_kv`): the test below was refused there with the default limits
+    cfg = deploy({"thinker": 10, "talker": 10}, "cuda")
+    for s in ("thinker", "talker"):
+        assert min_blocks(largest_request(cfg, s), cfg.stage(s).block_size, reserved=1) <= 10
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the stages' CUDA graphs and streams need a GPU")
