@@ -14,6 +14,7 @@ from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.code2wav_stream import StreamState
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline.code2wav import stage as code2wav_stage
 from omnistage.pipeline.connector import FrameChunk
 
 from code2wav_helpers import (
@@ -108,7 +109,9 @@ def test_deploy_config_switches_the_runner_on() -> None:
 
 
 @pytest.mark.parametrize("graph", [False, True])
-def test_first_chunks_go_before_later_chunks(graph: bool) -> None:
+def test_first_chunks_go_before_later_chunks(graph: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [100.0]
+    monkeypatch.setattr(code2wav_stage, "monotonic", lambda: now[0])
     st, gen = stage(graph), torch.Generator().manual_seed(1)
     a, b = Req("a"), Req("b")
     for f in torch.randint(0, 2048, (INITIAL + CHUNK, 16), generator=gen):
@@ -122,6 +125,28 @@ def test_first_chunks_go_before_later_chunks(graph: bool) -> None:
     st.step()
     # growth: a's second chunk is as long as its first (the audio before it), not CHUNK
     assert [len(a.deltas), len(b.deltas)] == [2, 1] and len(a.deltas[1].audio) == INITIAL * SAMPLES
+
+
+@pytest.mark.parametrize("graph", [False, True])
+@pytest.mark.parametrize("played_s", [0.0, 0.1, 0.2])
+def test_a_later_chunk_about_to_run_dry_goes_with_first_chunks(graph: bool, played_s: float,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # a's first chunk holds (INITIAL x 1 920 - 555) / 24 000 = 0.297 s of audio: played from its emit, it runs
+    # dry 0.297 s later; its next chunk goes with b's first chunk once that is less than DRY_SOON_S away
+    now = [100.0]
+    monkeypatch.setattr(code2wav_stage, "monotonic", lambda: now[0])
+    st, gen = stage(graph), torch.Generator().manual_seed(1)
+    a, b = Req("a"), Req("b")
+    for f in torch.randint(0, 2048, (2 * INITIAL, 16), generator=gen):
+        st.add(FrameChunk(a, f))
+    st.step()  # a's first chunk
+    now[0] += played_s
+    for f in torch.randint(0, 2048, (INITIAL, 16), generator=gen):
+        st.add(FrameChunk(b, f))
+    st.step()
+    along = (INITIAL * SAMPLES - TAIL) / 24000 - played_s < code2wav_stage.DRY_SOON_S
+    assert along == (played_s >= 0.2)
+    assert [len(a.deltas), len(b.deltas), st.last_batch] == [1 + along, 1, 1 + along]
 
 
 def test_capture_at_start_then_replay() -> None:

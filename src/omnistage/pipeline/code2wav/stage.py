@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from time import monotonic
 
 import torch
 
@@ -14,11 +15,13 @@ from omnistage.config import StageConfig
 from omnistage.engine.request import Request
 from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
-from omnistage.outputs import OutputDelta
+from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, packet_frames
 from omnistage.pipeline.faults import StepFaults
+
+DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
 
 
 @dataclass
@@ -28,6 +31,7 @@ class WavSeq:
     pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not launched yet
     done: bool = False  # the talker sent its last frame
     in_flight: int = 0  # chunks launched whose samples are not emitted yet
+    dry_at: float | None = None  # when its emitted audio, played in real time from its first chunk, runs out
 
     @property
     def ended(self) -> bool:
@@ -131,8 +135,11 @@ class Code2WavStage(AsyncOutputStep):
             self.faults.run(seq.req, self._finish, seq)
         self._admit()
         ready = [s for s in self.seqs.values() if s.pending and (len(s.pending) >= self._target(s) or s.done)]
-        # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks.
-        ready = [s for s in ready if s.state.frames == 0] or ready
+        # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks; those of
+        # streams about to run dry go along (in a burst of first chunks they waited, and their playback stalled)
+        if firsts := [s for s in ready if s.state.frames == 0]:
+            soon = monotonic() + DRY_SOON_S
+            ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < soon]
         self.step_requests = [s.req for s in ready]
         return ready
 
@@ -163,6 +170,7 @@ class Code2WavStage(AsyncOutputStep):
 
     def _emit(self, seq: WavSeq, wav: torch.Tensor, codes: torch.Tensor) -> None:
         seq.in_flight -= 1
+        seq.dry_at = max(seq.dry_at or 0.0, monotonic()) + wav.numel() / SAMPLE_RATE
         seq.req.mark("first_audio")
         seq.req.emit(OutputDelta(seq.req.request_id, audio=wav.numpy().copy(),
                                  codes=codes.t().numpy().copy()))
