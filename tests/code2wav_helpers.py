@@ -90,8 +90,9 @@ def drive(stage: Code2WavStage, plan: list = PLAN) -> Run:
 
 
 def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
-          chunk: int = CHUNK, async_output: bool = False) -> Code2WavStage:
-    return Code2WavStage(model(), max_batch_size=MAX_BATCH, initial_chunk_frames=initial, chunk_frames=chunk,
+          chunk: int = CHUNK, async_output: bool = False, budget: int = 4096) -> Code2WavStage:
+    return Code2WavStage(model(), max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
+                         initial_chunk_frames=initial, chunk_frames=chunk,
                          chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes,
                          async_output=async_output)
 

@@ -149,6 +149,19 @@ def test_a_later_chunk_about_to_run_dry_goes_with_first_chunks(graph: bool, play
     assert [len(a.deltas), len(b.deltas), st.last_batch] == [1 + along, 1, 1 + along]
 
 
+@pytest.mark.parametrize("budget", [3, 2 * INITIAL])
+def test_a_step_takes_chunks_within_its_frame_budget(budget: int) -> None:
+    st, gen = stage(False, budget=budget), torch.Generator().manual_seed(1)
+    reqs = [Req(n) for n in "abc"]
+    for req in reqs:
+        for f in torch.randint(0, 2048, (INITIAL, 16), generator=gen):
+            st.add(FrameChunk(req, f))
+    per_step = max(1, budget // INITIAL)  # a step's first chunk goes whatever its length
+    for step in range(1, 4):
+        st.step()
+        assert [len(r.deltas) for r in reqs] == [int(i < per_step * step) for i in range(3)]
+
+
 def test_capture_at_start_then_replay() -> None:
     st = stage(True)
     st.runner.graphs = EmulatedGraphs()

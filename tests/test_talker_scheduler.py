@@ -52,3 +52,21 @@ def test_admissions_leave_the_running_room_and_wait_while_one_is_swapped_out() -
     for s in ("b", "c"):
         sched.release(s)
     assert len(kv.blocks.free) == 6 and sched.penalties.num_free == 4 and not sched.seqs
+
+
+def test_prompts_past_the_step_budget_wait() -> None:
+    kv = KvGrowth(BlockManager(64, 1), torch.zeros(2, 1, 64, 1, 1, 1))
+    sched = TalkerScheduler(kv, PenaltyTable(8, 8, "cpu", counts=False), max_batch_size=8, max_num_batched_tokens=10)
+    a, b, c, d = seq("a", 12), seq("b", 6), seq("c", 3), seq("d", 2)
+    for s in (a, b, c, d):
+        sched.add(s)
+    prefills, decodes = sched.schedule()
+    assert names(prefills) == ["a"] and not decodes  # a step's first prompt goes whatever its length
+    launched(a, 12)
+    prefills, decodes = sched.schedule()  # a's frame (1 row) + b's 6 + c's 3 = 10; d's 2 would pass it
+    assert names(prefills) == ["b", "c"] and names(decodes) == ["a"]
+    launched(a, 1)
+    launched(b, 6)
+    launched(c, 3)
+    prefills, decodes = sched.schedule()
+    assert names(prefills) == ["d"] and names(decodes) == ["a", "b", "c"]

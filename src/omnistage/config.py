@@ -20,12 +20,13 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class StageConfig:
-    """`kv_cache_memory`: bytes (an integer > 1), or (a fraction <= 1) the stage's relative share of what its
-    device's budget leaves after weights and CUDA graphs (pipeline/placement/memory.py); code2wav has no
-    paged KV cache and ignores it; `max_num_batched_tokens`:
-    token budget of one step; replica i runs on `devices[i % len(devices)]`; `stream_priority`: the CUDA
-    stream priority of its steps (stages share a GPU); `sampling`: default fields of SamplingParams
-    (thinker) / TalkerSamplingParams (talker); code2wav does not sample."""
+    """`kv_cache_memory`: bytes (an integer > 1), or (a fraction <= 1) the stage's relative share of what its device's
+    budget leaves after weights and CUDA graphs (pipeline/placement/memory.py); code2wav has no paged KV cache
+    and ignores it; `max_num_batched_tokens`: the rows of one step: thinker tokens (longer prompts prefill in
+    chunks), talker rows and code2wav frames (a step's first prompt / chunk goes whole); replica i runs on
+    `devices[i % len(devices)]`; `stream_priority`: the CUDA stream priority of its steps (stages share a GPU);
+    `sampling`: default fields of SamplingParams (thinker) / TalkerSamplingParams (talker); code2wav does not
+    sample."""
 
     devices: tuple[int, ...] = r.opt((0,), r.devices)
     replicas: int = r.opt(1, r.positive_int)

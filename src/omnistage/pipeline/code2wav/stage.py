@@ -59,10 +59,11 @@ class Code2WavStage(AsyncOutputStep):
     """`step` (see `AsyncOutputStep`): with asynchronous output a step's chunks are emitted one step later,
     and a request ends (`part_done`) once its last chunk's samples are emitted."""
 
-    def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, initial_chunk_frames: int = 4,
-                 chunk_frames: int = 25, chunk_growth: bool = True, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
-        """Chunks of `packet_frames(emitted, initial_chunk_frames, chunk_frames, chunk_growth)` frames.
+    def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
+                 initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
+                 cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
+        """Chunks of `packet_frames(emitted, initial_chunk_frames, chunk_frames, chunk_growth)` frames, at most
+        `max_num_batched_tokens` frames a step (a step's first chunk goes whatever its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
@@ -75,7 +76,7 @@ class Code2WavStage(AsyncOutputStep):
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
         self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
-        self.max_batch_size = max_batch_size
+        self.max_batch_size, self.max_num_batched_tokens = max_batch_size, max_num_batched_tokens
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
         self.device = next(code2wav.parameters()).device
@@ -140,8 +141,18 @@ class Code2WavStage(AsyncOutputStep):
         if firsts := [s for s in ready if s.state.frames == 0]:
             soon = monotonic() + DRY_SOON_S
             ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < soon]
+        ready = self._within_budget(ready)
         self.step_requests = [s.req for s in ready]
         return ready
+
+    def _within_budget(self, ready: list[WavSeq]) -> list[WavSeq]:
+        kept, frames = [], 0
+        for seq in ready:
+            n = min(len(seq.pending), self._target(seq))
+            if not kept or frames + n <= self.max_num_batched_tokens:
+                kept.append(seq)
+                frames += n
+        return kept
 
     def _tokens(self, ready: list[WavSeq]) -> int:
         return sum(min(len(seq.pending), self._target(seq)) for seq in ready)

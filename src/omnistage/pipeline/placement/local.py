@@ -138,14 +138,16 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                              encoder_cache_bytes=p.deploy.encoder_cache_mb << 20)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
-                            num_blocks=num_blocks, block_size=sc.block_size,
-                            cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
+                            max_num_batched_tokens=sc.max_num_batched_tokens, num_blocks=num_blocks,
+                            block_size=sc.block_size, cuda_graph=sc.cuda_graph,
+                            graph_batch_sizes=sc.graph_batch_sizes(),
                             prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output,
                             prefix_caching=p.deploy.enable_prefix_caching,
                             prefill_context_ratio=sc.cuda_graph_prefill_context_ratio)
     else:
         conn = p.deploy.connector
         stage = Code2WavStage(module, max_batch_size=sc.max_batch_size,
+                              max_num_batched_tokens=sc.max_num_batched_tokens,
                               initial_chunk_frames=conn.initial_codec_chunk_frames,
                               chunk_frames=conn.codec_chunk_frames, chunk_growth=conn.codec_chunk_growth,
                               cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),

@@ -3,8 +3,8 @@
 Room first for the running requests' next rows (engine/kv_growth.py: the newest swapped out while KV blocks run
 out), then waiting requests in arrival order (their cached prefix taken first) while none is swapped out and
 blocks are left beyond that room (their prompt's blocks and a penalty row taken at once), then each running
-request's prompt rows, or its next frame once its text row is there (a row refused a block waits a step);
-`release` gives them back."""
+request's prompt rows, or its next frame once its text row is there (a row refused a block waits a step), within
+`max_num_batched_tokens` rows a step (a step's first prompt goes whatever its length); `release` gives them back."""
 
 from __future__ import annotations
 
@@ -22,8 +22,10 @@ Text = tuple[torch.Tensor | None, bool]  # a frame's text row input (`TalkerSeq.
 
 
 class TalkerScheduler:
-    def __init__(self, kv: KvGrowth, penalties: PenaltyTable, max_batch_size: int) -> None:
+    def __init__(self, kv: KvGrowth, penalties: PenaltyTable, max_batch_size: int,
+                 max_num_batched_tokens: int = 8192) -> None:
         self.kv, self.blocks, self.penalties, self.max_batch_size = kv, kv.blocks, penalties, max_batch_size
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.seqs: dict[str, TalkerSeq] = {}  # admitted (running once it has a penalty row), in arrival order
         self.waiting: deque[TalkerSeq] = deque()
 
@@ -44,15 +46,20 @@ class TalkerScheduler:
                 break
             seq.slot = self.penalties.acquire()
             self.waiting.popleft()
-        prefills, decodes = [], []
+        prefills, decodes, rows = [], [], 0
         for seq in self.seqs.values():
             if (seq.slot < 0 or seq.req.request_id in swapped or len(prefills) + len(decodes) >= self.max_batch_size
                     or seq.frames >= seq.req.talker_sampling.max_frames):  # the last frame is on its way
                 continue
             if not seq.prefilled:
-                prefills.append((seq, seq.prompt_rows[seq.num_computed:]))
+                prompt = seq.prompt_rows[seq.num_computed:]
+                if prefills and rows + prompt.shape[0] > self.max_num_batched_tokens:
+                    continue  # NOTE: a later, shorter prompt may still fit
+                prefills.append((seq, prompt))
+                rows += prompt.shape[0]
             elif self.kv.grant(seq.req.request_id, seq.num_computed + 1) and (text := seq.next_text()) is not None:
                 decodes.append((seq, text))
+                rows += 1
         return prefills, decodes
 
     def release(self, request_id: str) -> None:
