@@ -29,10 +29,11 @@ VAD = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {"type"
                                                                          "silence_duration_ms": 300}}}}
 
 
-def realtime_server(tmp_path_factory, *args: str) -> Iterator[Server]:
+def realtime_server(tmp_path_factory, *args: str, overrides: str = "") -> Iterator[Server]:
+    """`overrides`: more deploy keys (JSON object members)."""
     log = tmp_path_factory.mktemp("realtime") / "rt.log"
-    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20",
-                    "--deploy-overrides", '{"realtime_streaming_input": true}', *args)
+    deploy = ", ".join(['"realtime_streaming_input": true', *([overrides] if overrides else [])])
+    server = Server(log, "--api-key", KEY, "--max-audio-seconds", "20", "--deploy-overrides", "{%s}" % deploy, *args)
     try:
         server.wait_ready()
         yield server
@@ -49,6 +50,12 @@ def rt_server(tmp_path_factory, tiny_dir):
 def rt_pipeline_server(tmp_path_factory, tiny_dir):
     """The stages in a worker process of their own (`placement: pipeline`, one pipeline)."""
     yield from realtime_server(tmp_path_factory, "--placement", "pipeline")
+
+
+@pytest.fixture(scope="session")
+def rt_preemptive_server(tmp_path_factory, tiny_dir):
+    """`realtime_preemptive_response` on: a turn's response starts where the user pauses."""
+    yield from realtime_server(tmp_path_factory, overrides='"realtime_preemptive_response": true')
 
 
 def to_pcm(wav: np.ndarray, rate: int) -> bytes:

@@ -12,6 +12,7 @@ from scipy.signal import resample_poly
 from omnistage.bench.speech import speech_clip
 from omnistage.server.realtime.resample import StreamResampler
 from omnistage.server.realtime.silero import MAX_WINDOWS
+from omnistage.server.realtime.turns import OURS
 from omnistage.server.realtime.vad import ServerVad, TurnEvent, VadEngine, _Stream
 
 silero_vad = pytest.importorskip("silero_vad")
@@ -88,9 +89,9 @@ def test_batched_equals_sequential_silero(engine, silero_model, monkeypatch):
 
 
 async def heard(det, pcm24: np.ndarray, seed: int, pauses: bool = False) -> list[TurnEvent]:
-    """The turn events of `pcm24` fed in uneven pieces (`pauses`: with our speech_paused ones)."""
+    """The turn events of `pcm24` fed in uneven pieces (`pauses`: with our own, speech_paused / resumed)."""
     events = [e for p in pieces(pcm24, seed, 480, 961) for e in await det.feed(p)]
-    return events if pauses else [e for e in events if e.type != "speech_paused"]
+    return events if pauses else [e for e in events if e.type not in OURS]
 
 
 def feed_all(engine: VadEngine, pcm24: np.ndarray, params: ServerVad, seed: int, pauses: bool = False
@@ -147,7 +148,7 @@ def test_each_stop_follows_a_pause_at_its_end(engine):
         for i in stops:
             assert events[i - 1] == TurnEvent("speech_paused", events[i].audio_ms)
         assert feed_all(engine, spoken(0.3, "question_2s", 0.8, "question_3s", 1.0), vad, seed=9) == [
-            e for e in events if e.type != "speech_paused"]
+            e for e in events if e.type not in OURS]
 
 
 def test_reset_drops_the_turn_in_progress(engine):

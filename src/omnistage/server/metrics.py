@@ -71,12 +71,16 @@ class ServerMetrics:
         self.realtime_prepared_turns = Counter(
             f"{p}_realtime_prepared_turns_total",
             "Realtime spoken turns whose whole prompt was prefilled where the user paused, before the turn ended.")
+        self.realtime_preempted = Counter(f"{p}_realtime_preemptive_responses_total",
+                                          "Responses started where the user paused: used, or dropped (spoke on).",
+                                          ("outcome",))
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.phase, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
                      self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.restarts,
                      self.waiting,
-                     self.waiting_tokens, self.realtime_streamed_rows, self.realtime_prepared_turns, self.rss,
+                     self.waiting_tokens, self.realtime_streamed_rows, self.realtime_prepared_turns,
+                     self.realtime_preempted, self.rss,
                      *self.counters.values()]
 
     def observe_stage(self, stage: str, batch_size: int, queue_depth: int, kv_blocks_used: int | None = None,

@@ -9,13 +9,17 @@ request is aborted and the response takes the ordinary path. The audio goes to t
 its own (what arrived meanwhile in one piece), so the session's appends, and with them its VAD, never wait
 for the feature extraction. Where the user pauses (`speech_paused`, before the VAD's silence is complete) the
 turn's clip should it end there is resampled and its whole prompt made and sent to be prefilled: a turn that
-does end there then costs the thinker one row at close (`PromptStream.prepare`)."""
+does end there then costs the thinker one row at close (`PromptStream.prepare`). With deploy
+`realtime_preemptive_response` the request is closed there and then with that clip (`Preempted`): the response
+that takes it gets its deltas, held so far; should the user speak on, it is dropped and the turn's request opened
+again with all its audio (`resume`)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -37,6 +41,19 @@ logger = logging.getLogger(__name__)
 RequestKey = tuple[list[dict], SamplingParams, TalkerSamplingParams | None, str]
 
 
+@dataclass
+class Preempted:
+    """The open request closed where the user paused, on `clip`; `deltas`: `admitted(close(clip))`."""
+
+    clip: np.ndarray
+    deltas: asyncio.Task
+
+    def drop(self) -> None:
+        self.deltas.cancel()
+        if self.deltas.done() and not self.deltas.cancelled():
+            self.deltas.exception()  # NOTE: retrieved: a refusal nobody awaits is not logged as lost
+
+
 class EarlyPrefill:
     """A session's open request for the turn being spoken (at most one)."""
 
@@ -53,6 +70,7 @@ class EarlyPrefill:
         self._pump: asyncio.Task | None = None  # hands `_pending` on; at most one call at a time
         self._ahead: tuple[int, bytes] | None = None  # a pause's end and clip, for the pump (before `_pending`)
         self._clip: tuple[int, asyncio.Future] | None = None  # that clip at 16 kHz, once resampled
+        self._preempted: Preempted | None = None  # the open request, closed at that pause
 
     async def open(self, settings: SessionSettings, conversation: Conversation, item_id: str,
                    buffer: InputAudioBuffer) -> None:
@@ -75,7 +93,7 @@ class EarlyPrefill:
 
     def feed(self, buffer: InputAudioBuffer) -> None:
         """The audio appended to `buffer` since the last feed goes to the open request (soon: not awaited)."""
-        if self._open is None or buffer.end <= self._fed:
+        if self._open is None or self._preempted is not None or buffer.end <= self._fed:
             return
         self._pending.append(bytes(buffer.pcm[(self._fed - buffer.origin) * 2:]))
         self._fed = buffer.end
@@ -118,6 +136,10 @@ class EarlyPrefill:
                     if self._clip is not None and self._clip[0] == end and not self._clip[1].done():
                         self._clip[1].set_result(audio)
                     await stream.prepare(audio)
+                    if self._preempts(stream, end):
+                        self._pending, self._preempted = [], Preempted(audio, asyncio.create_task(
+                            admitted(stream.close(audio))))
+                        return
                 else:
                     pcm, self._pending = b"".join(self._pending), []
                     await stream.append_audio(self._resampler.push(pcm_float(pcm)))
@@ -137,11 +159,14 @@ class EarlyPrefill:
         if self._pump is not None and self._pump is not asyncio.current_task():
             await asyncio.wait([self._pump])
 
-    def take(self, response: Response, messages: list[dict], sampling: SamplingParams,
-             talker: TalkerSamplingParams | None) -> StreamingInput | None:
-        """The open request, when `response` (new_response's) is the one it was opened for; the response
-        then takes its id (the engine's request id)."""
+    async def take(self, response: Response, messages: list[dict], sampling: SamplingParams,
+                   talker: TalkerSamplingParams | None) -> StreamingInput | None:
+        """The open request, when `response` (new_response's) is the one it was opened for (and, closed where
+        the user paused, on its clip); the response then takes its id (the engine's request id)."""
         if self._open is None or not _same(_key(response, messages, sampling, talker), self._key):
+            return None
+        if self._preempted is not None and not _same(self._preempted.clip, messages[-1]["content"][-1]["audio"]):
+            await self.abort()
             return None
         self._taken, self._open = self._open, None
         response.id = self._taken.request_id
@@ -151,7 +176,12 @@ class EarlyPrefill:
         """A taken request's deltas once admitted (as `start_request`'s), closed with the committed clip."""
         self._taken = None
         await self._settled()
-        deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
+        if self._preempted is not None:
+            preempted, self._preempted = self._preempted, None
+            self.metrics.realtime_preempted.inc(outcome="used")
+            deltas = await preempted.deltas
+        else:
+            deltas = await admitted(stream.close(messages[-1]["content"][-1]["audio"]))
         self.metrics.realtime_streamed_rows.inc(stream.early_audio_rows)
         self.metrics.realtime_prepared_turns.inc(stream.prepared)
         return deltas
@@ -161,7 +191,28 @@ class EarlyPrefill:
         if self._open is not None:
             stream, self._open = self._open, None
             await self._settled()
+            self._drop_preempted()
             await stream.abort()
+
+    async def resume(self, settings: SessionSettings, conversation: Conversation, item_id: str,
+                     buffer: InputAudioBuffer) -> None:
+        """The user spoke on after a pause: its clip is not the turn's; a response started there is dropped, and
+        the turn's request opened again with all its audio so far."""
+        self._ahead = None
+        self._cancel_clip()
+        if self._preempted is not None:
+            await self.open(settings, conversation, item_id, buffer)
+
+    def _preempts(self, stream: StreamingInput, end: int) -> bool:
+        """The request is to be closed at the pause at `end` now: the user has not spoken on since."""
+        return (self.deploy.realtime_preemptive_response and self._open is stream and self._clip is not None
+                and self._clip[0] == end)
+
+    def _drop_preempted(self) -> None:
+        if self._preempted is not None:
+            self._preempted.drop()
+            self._preempted = None
+            self.metrics.realtime_preempted.inc(outcome="dropped")
 
     async def cancelled(self) -> None:
         """The playing response was cancelled: if that was before its task ran, the request it took was
@@ -169,6 +220,7 @@ class EarlyPrefill:
         if self._taken is not None:
             stream, self._taken = self._taken, None
             await self._settled()
+            self._drop_preempted()
             await stream.abort()
 
 

@@ -43,7 +43,7 @@ class Player:
         self.response, messages, sampling, talker = new_response(settings, params, conversation,
                                                                  self.ctx.voices, self.ctx.deploy,
                                                                  self.ctx.media)
-        stream = self.early.take(self.response, messages, sampling, talker)
+        stream = await self.early.take(self.response, messages, sampling, talker)
         self.response.times.decided, self.response.times.created = decided, time.perf_counter()
         await self._emit(server_event("response.created", response=self.response.api()))
         self._start(self.response, messages, sampling, talker, stream)

@@ -131,6 +131,9 @@ class RealtimeSession:
         elif turn.type == "speech_paused":
             if self._speech is not None:
                 self._early.prepare(self._input, at)
+        elif turn.type == "speech_resumed":
+            if self._speech is not None:
+                await self._early.resume(self.settings, self.conversation, self._speech, self._input)
         elif self._speech is not None:
             item_id, self._speech = self._speech, None
             await self._emit(server_event("input_audio_buffer.speech_stopped", audio_end_ms=turn.audio_ms,

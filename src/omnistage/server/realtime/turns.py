@@ -8,6 +8,7 @@ from dataclasses import dataclass
 RATE = 16000  # the probabilities' windows are counted in 16 kHz samples
 NEG_THRESHOLD_GAP = 0.15  # silero's VADIterator / get_speech_timestamps: below threshold - 0.15 is silence
 PAUSE_MS = 150  # silence before a turn's end is prepared (at most half the silence that ends it)
+OURS = ("speech_paused", "speech_resumed")  # not OpenAI's: the session's own
 
 
 @dataclass
@@ -23,7 +24,8 @@ class ServerVad:
 
 @dataclass
 class TurnEvent:
-    type: str  # "speech_started" | "speech_stopped" | "speech_paused" (ours: the turn may end there)
+    type: str  # "speech_started" | "speech_stopped" | ours: "speech_paused" (the turn may end there),
+    # "speech_resumed" (it did not: speech after a reported pause)
     audio_ms: int  # from the start of all audio fed to the detector (OpenAI's audio_start_ms / audio_end_ms)
 
 
@@ -41,6 +43,9 @@ class TurnState:
         p = self.params
         if prob >= p.threshold:
             self._silence_from = None
+            if self._paused:
+                self._paused = False
+                return TurnEvent("speech_resumed", _ms(start))
             if not self._speaking:
                 self._speaking = True
                 return TurnEvent("speech_started", max(0, _ms(start) - p.prefix_padding_ms))
@@ -49,7 +54,7 @@ class TurnState:
                 self._silence_from, self._paused = start, False
             heard = _ms(end - self._silence_from)
             if heard >= p.silence_duration_ms:  # heard the whole silence
-                end, self._speaking, self._silence_from = _ms(self._silence_from), False, None
+                end, self._speaking, self._silence_from, self._paused = _ms(self._silence_from), False, None, False
                 return TurnEvent("speech_stopped", end)
             if not self._paused and heard >= min(PAUSE_MS, p.silence_duration_ms // 2):
                 self._paused = True
