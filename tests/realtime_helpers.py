@@ -58,6 +58,12 @@ def rt_preemptive_server(tmp_path_factory, tiny_dir):
     yield from realtime_server(tmp_path_factory, overrides='"realtime_preemptive_response": true')
 
 
+@pytest.fixture(scope="session")
+def rt_preemptive_pipeline_server(tmp_path_factory, tiny_dir):
+    yield from realtime_server(tmp_path_factory, "--placement", "pipeline",
+                               overrides='"realtime_preemptive_response": true')
+
+
 def to_pcm(wav: np.ndarray, rate: int) -> bytes:
     return (np.clip(resample(wav, rate, 24000), -1, 1) * 32767).astype("<i2").tobytes()
 

@@ -8,6 +8,7 @@ import asyncio
 import re
 
 import httpx
+import pytest
 from realtime_helpers import (TURN, answer, append, assert_nothing_held, b64, chat, chat_audio, client, setup,
                               shape, silence, speech_pcm, until)
 from serve_process import MODEL
@@ -68,13 +69,16 @@ def assert_answer_is_the_clips(server, events: list, clip: bytes) -> None:
     assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
 
 
-def test_a_turn_ending_at_its_pause_gets_the_response_started_there(rt_preemptive_server):
-    events, clip, counts = spoken(rt_preemptive_server, silence(500), speech_pcm(), silence(1200))
+@pytest.mark.parametrize("placement", ["local", "pipeline"])
+def test_a_turn_ending_at_its_pause_gets_the_response_started_there(request, placement: str):
+    server = request.getfixturevalue({"local": "rt_preemptive_server",
+                                      "pipeline": "rt_preemptive_pipeline_server"}[placement])
+    events, clip, counts = spoken(server, silence(500), speech_pcm(), silence(1200))
     assert counts == {"used": 1, "dropped": 0}
     assert shape(events)[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                                  "input_audio_buffer.committed", "conversation.item.added"]
-    assert_answer_is_the_clips(rt_preemptive_server, events, clip)
-    assert_nothing_held(rt_preemptive_server)
+    assert_answer_is_the_clips(server, events, clip)
+    assert_nothing_held(server)
 
 
 def test_speech_after_the_pause_drops_the_response_started_there(rt_preemptive_server):
