@@ -253,6 +253,17 @@ def test_stage_summary_splits_gpu_time_from_step_time() -> None:
     assert "graph_ms" not in summary["code2wav"] and "kv_block_waits" not in summary["code2wav"]
 
 
+def test_a_rows_preemptive_responses_from_metrics_text() -> None:
+    from omnistage.bench.stage_stats import parse_preemptive, row_server_stats
+
+    line = 'omnistage_realtime_preemptive_responses_total{{outcome="{}"}} {}\n'
+    before = {"preemptive": parse_preemptive(line.format("used", 3.0))}
+    after = {"preemptive": parse_preemptive(line.format("used", 7.0) + line.format("dropped", 2.0))}
+    assert after["preemptive"] == {"used": 7.0, "dropped": 2.0}
+    assert row_server_stats(before, after, 1.0)["preemptive"] == {"used": 4.0, "dropped": 2.0}
+    assert "preemptive" not in row_server_stats(after, after, 1.0)  # none over the row: no field
+
+
 def test_phase_means_from_metrics_text() -> None:
     def text(rows: list[tuple[str, float, int]]) -> str:
         return "".join(f'omnistage_request_phase_seconds_bucket{{phase="{p}",le="+Inf"}} {n}\n'

@@ -10,6 +10,7 @@ import re
 _COUNTER = re.compile(r'^omnistage_(?:stage_)?(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays|'
                       r'kv_block_waits|kv_swaps)_total\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
+_PREEMPT = re.compile(r'^omnistage_realtime_preemptive_responses_total\{outcome="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
 # open request also reaches REALTIME_PHASES (between thinker_start and first_token)
 PHASES = ("prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token", "talker_start",
@@ -34,6 +35,11 @@ def parse_phase_totals(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
+def parse_preemptive(text: str) -> dict[str, float]:
+    """Prometheus text -> {outcome: count} of realtime responses started at pauses ("used", "dropped")."""
+    return {outcome: float(v) for outcome, v in _PREEMPT.findall(text)}
+
+
 async def scrape_server_counters(client) -> dict[str, dict[str, dict[str, float]]] | None:
     """GET /metrics through an httpx.AsyncClient -> {"stages": ..., "phases": ...} (the two parsers above);
     None when the server has no /metrics."""
@@ -43,14 +49,20 @@ async def scrape_server_counters(client) -> dict[str, dict[str, dict[str, float]
         return None
     if r.status_code != 200:
         return None
-    return {"stages": parse_stage_counters(r.text), "phases": parse_phase_totals(r.text)}
+    return {"stages": parse_stage_counters(r.text), "phases": parse_phase_totals(r.text),
+            "preemptive": parse_preemptive(r.text)}
 
 
 def row_server_stats(before: dict | None, after: dict | None, wall_s: float) -> dict[str, dict | None]:
-    """A row's "stages" (`stage_summary`) and "phases_ms" (`phase_means`) from scrapes before and after it."""
+    """A row's "stages" (`stage_summary`), "phases_ms" (`phase_means`) and, where realtime responses were
+    started at pauses, "preemptive" ({"used", "dropped"} over the row) from scrapes before and after it."""
     b, a = before or {}, after or {}
-    return {"stages": stage_summary(b.get("stages"), a.get("stages"), wall_s),
-            "phases_ms": phase_means(b.get("phases"), a.get("phases"))}
+    out = {"stages": stage_summary(b.get("stages"), a.get("stages"), wall_s),
+           "phases_ms": phase_means(b.get("phases"), a.get("phases"))}
+    moved = {k: v - b.get("preemptive", {}).get(k, 0.0) for k, v in a.get("preemptive", {}).items()}
+    if any(moved.values()):
+        out["preemptive"] = {k: moved.get(k, 0.0) for k in ("used", "dropped")}
+    return out
 
 
 def phase_means(before: dict | None, after: dict | None) -> dict[str, float] | None:
