@@ -9,13 +9,14 @@ import torch
 
 from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.prefix_hash import block_hashes
+from omnistage.models.qwen3_omni.media_keys import MediaKeys
 from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 
-def prompt_hashes(seq: ThinkerSeq, block_size: int) -> list[bytes] | None:
-    """None where no prefix may be shared: media without keys. A growing prompt's (`seq.open`) are those of
-    the rows it has, before the streamed audio: no piece rewinds past them (`stream_parts.prefix_prompt`)."""
-    keys = seq.req.prompt.media_keys
+def prompt_hashes(seq: ThinkerSeq, keys: MediaKeys | None, block_size: int) -> list[bytes] | None:
+    """`keys`: the media keys of the prompt `seq` was made from. None where no prefix may be shared: media without
+    keys. A growing prompt's (`seq.open`) are those of the rows it has, before the streamed audio: no piece
+    rewinds past them (`stream_parts.prefix_prompt`)."""
     if seq.has_mm and keys is None:
         return None
     return block_hashes(seq.prompt_ids.tolist(), block_size, keys.spans if keys is not None else ())

@@ -112,14 +112,14 @@ class ThinkerStage(AsyncOutputStep):
 
     def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
         """`media`: `prompt`'s encoder rows when they were encoded with others; else encoded here."""
-        prompt = prompt or req.prompt  # NOTE: read once: a far copy's prompt is renewed on another thread
+        prompt = req.prompt if prompt is None else prompt  # NOTE: read once: a far copy's is renewed on another thread
         media = media or encode_media(self.thinker, [prompt], self.device, self.dtype, self.encoder_cache,
                                       self.vision, self.audio)[0]
         seq = new_seq(self.thinker, req, prompt, media, self.tokenizer, self.rope)
         req.mark("encoded")
         seq.open = req.growing
         if self.prefix_caching:
-            seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
+            seq.block_hashes = prompt_hashes(seq, prompt.media_keys, self.blocks.block_size)
         return seq
 
     def _grow(self, piece: PromptPiece, rows: torch.Tensor | None = None) -> None:
@@ -133,7 +133,7 @@ class ThinkerStage(AsyncOutputStep):
         else:
             extend(self.thinker, seq, piece, self.tokenizer, rows)
             if piece.closed and self.prefix_caching:  # the whole prompt's blocks are registered at its first token
-                seq.block_hashes = prompt_hashes(seq, self.blocks.block_size)
+                seq.block_hashes = prompt_hashes(seq, piece.request.prompt.media_keys, self.blocks.block_size)
 
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """What arrived admitted (its media through the encoders, all requests' at once), then the scheduler's
