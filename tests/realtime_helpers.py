@@ -53,15 +53,9 @@ def rt_pipeline_server(tmp_path_factory, tiny_dir):
 
 
 @pytest.fixture(scope="session")
-def rt_preemptive_server(tmp_path_factory, tiny_dir):
-    """`realtime_preemptive_response` on: a turn's response starts where the user pauses."""
-    yield from realtime_server(tmp_path_factory, overrides='"realtime_preemptive_response": true')
-
-
-@pytest.fixture(scope="session")
-def rt_preemptive_pipeline_server(tmp_path_factory, tiny_dir):
-    yield from realtime_server(tmp_path_factory, "--placement", "pipeline",
-                               overrides='"realtime_preemptive_response": true')
+def rt_unpreempted_server(tmp_path_factory, tiny_dir):
+    """`realtime_preemptive_response` off: a turn's response starts when server VAD ends the turn."""
+    yield from realtime_server(tmp_path_factory, overrides='"realtime_preemptive_response": false')
 
 
 def to_pcm(wav: np.ndarray, rate: int) -> bytes:

@@ -1,6 +1,7 @@
-"""Deploy `realtime_preemptive_response`: a spoken turn's response starts where the user pauses (server VAD's
-`speech_paused`), its events held until the VAD ends the turn there; speech after the pause drops it
-(`speech_resumed`) and the turn goes on. Either way the answer is the committed clip's through chat completions."""
+"""Deploy `realtime_preemptive_response` (on by default): a spoken turn's response starts where the user pauses
+(server VAD's `speech_paused`), its events held until the VAD ends the turn there; speech after the pause drops it
+(`speech_resumed`) and the turn goes on. Either way, and with it off, the answer is the committed clip's through
+chat completions."""
 
 from __future__ import annotations
 
@@ -69,23 +70,23 @@ def assert_answer_is_the_clips(server, events: list, clip: bytes) -> None:
     assert reply["usage"]["prompt_tokens"] == response.usage.input_tokens
 
 
-@pytest.mark.parametrize("placement", ["local", "pipeline"])
-def test_a_turn_ending_at_its_pause_gets_the_response_started_there(request, placement: str):
-    server = request.getfixturevalue({"local": "rt_preemptive_server",
-                                      "pipeline": "rt_preemptive_pipeline_server"}[placement])
+@pytest.mark.parametrize("server", ["rt_server", "rt_pipeline_server", "rt_unpreempted_server"])
+def test_a_turn_ending_at_its_pause_gets_the_response_started_there(request, server: str):
+    used = int(server != "rt_unpreempted_server")
+    server = request.getfixturevalue(server)
     events, clip, counts = spoken(server, silence(500), speech_pcm(), silence(1200))
-    assert counts == {"used": 1, "dropped": 0}
+    assert counts == {"used": used, "dropped": 0}
     assert shape(events)[:4] == ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
                                  "input_audio_buffer.committed", "conversation.item.added"]
     assert_answer_is_the_clips(server, events, clip)
     assert_nothing_held(server)
 
 
-def test_speech_after_the_pause_drops_the_response_started_there(rt_preemptive_server):
+def test_speech_after_the_pause_drops_the_response_started_there(rt_server):
     speech = speech_pcm()
-    events, clip, counts = spoken(rt_preemptive_server, silence(500), speech, silence(300), speech, silence(1200))
+    events, clip, counts = spoken(rt_server, silence(500), speech, silence(300), speech, silence(1200))
     assert counts["used"] == 1 and counts["dropped"] >= 1  # the 300 ms pause (and any inside the speech)
     assert [e.type for e in events].count("input_audio_buffer.speech_stopped") == 1
     assert len(clip) > 2 * len(speech)  # both sentences are the turn
-    assert_answer_is_the_clips(rt_preemptive_server, events, clip)
-    assert_nothing_held(rt_preemptive_server)
+    assert_answer_is_the_clips(rt_server, events, clip)
+    assert_nothing_held(rt_server)

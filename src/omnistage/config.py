@@ -96,7 +96,7 @@ class DeployConfig:
     benchmarks/HISTORY.md); False: only once it is committed. `realtime_preemptive_response` (with it): where
     the user pauses, the turn's response is started on the clip that ends there, its events held back until
     server VAD ends the turn at that pause (then out at once), dropped if the user speaks on (as LiveKit's
-    preemptive generation; default off: a pause that is not the end costs an answer's compute).
+    preemptive generation; default on: a pause that is not the end costs the compute of an answer's start).
     `enable_prefix_caching`: the thinker keeps computed prompt blocks for later prompts with the same
     prefix (vLLM's flag); `encoder_cache_mb`: MiB of encoder rows kept per thinker for media sent again
     (0: none); both count against the device's memory budget as activations do.
@@ -117,7 +117,7 @@ class DeployConfig:
     switch_interval_ms: float = r.opt(5.0, r.interval)
     gpu_memory_utilization: float = r.opt(0.9, r.utilization)
     realtime_streaming_input: bool = r.opt(True, r.boolean)
-    realtime_preemptive_response: bool = r.opt(False, r.boolean)
+    realtime_preemptive_response: bool = r.opt(True, r.boolean)
     enable_prefix_caching: bool = r.opt(True, r.boolean)
     encoder_cache_mb: int = r.opt(512, r.non_negative_int)
     mm_processor_kwargs: dict = field(default_factory=lambda: {"image": {"max_pixels": 1280 * 32 * 32}},
