@@ -75,11 +75,11 @@ def test_chunks_must_fit_their_shape() -> None:
     runner = stage(True).runner
     state, codes = StreamState(slot=0), torch.zeros(16, CHUNK, dtype=torch.long)
     with pytest.raises(ValueError, match="first chunk of 5 frames does not fit 4"):
-        runner.run([(state, codes)], [True])
+        runner.run([(state, codes)], [True], [INITIAL])
     with pytest.raises(ValueError, match="later chunk of 3 frames"):
-        runner.run([(StreamState(slot=0, frames=4), codes[:, :3])], [False])
+        runner.run([(StreamState(slot=0, frames=4), codes[:, :3])], [False], [4])
     with pytest.raises(ValueError, match="later chunk of 5 frames does not fit 4"):  # growth: 4 after 4
-        runner.run([(StreamState(slot=0, frames=4), codes)], [False])
+        runner.run([(StreamState(slot=0, frames=4), codes)], [False], [4])
 
 
 def test_deploy_config_switches_the_runner_on() -> None:

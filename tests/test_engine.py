@@ -20,10 +20,10 @@ PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two
 
 
 @functools.cache
-def omni(initial: int = 4, chunk: int = 25, replicas: int = 1, growth: bool = True) -> Omni:
+def omni(initial: int = 4, chunk: int = 25, replicas: int = 1, growth: bool = True, idle: int = 0) -> Omni:
     d = tiny_checkpoint("tiny")
     overrides = {"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk,
-                               "codec_chunk_growth": growth},
+                               "codec_chunk_growth": growth, "idle_initial_codec_chunk_frames": idle},
                  "stages": {"talker": {"replicas": replicas}, "code2wav": {"replicas": replicas}}}
     return Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu", overrides=overrides),
                 device="cpu")
@@ -38,9 +38,11 @@ def greedy(tokens: int, frames: int) -> dict:
                 talker_sampling={"temperature": 0, "max_frames": frames, "ignore_eos": True})
 
 
-@pytest.mark.parametrize("initial,chunk,growth", [(1, 7, False), (2, 25, True), (4, 3, True), (4, 25, True)])
-def test_stream_chunks_are_sample_exact(initial: int, chunk: int, growth: bool) -> None:
-    o = omni(initial, chunk, growth=growth)
+@pytest.mark.parametrize("initial,chunk,growth,idle", [(1, 7, False, 0), (2, 25, True, 0), (4, 3, True, 0),
+                                                       (4, 25, True, 0), (2, 25, True, 1)])
+def test_stream_chunks_are_sample_exact(initial: int, chunk: int, growth: bool, idle: int) -> None:
+    """A request alone: packets as the schedule says (with `idle`, its first packet `idle` frames), exact."""
+    o = omni(initial, chunk, growth=growth, idle=idle)
     deltas = []
     req = o.engine.make_request("r", conv(1), None, want_audio=True, voice="Aiden", emit=deltas.append,
                                 **greedy(8, 33))
@@ -48,7 +50,7 @@ def test_stream_chunks_are_sample_exact(initial: int, chunk: int, growth: bool) 
     o.engine.wait(["r"])
     chunks = [d for d in deltas if d.audio is not None]
     frames = [d.codes.shape[1] for d in chunks]
-    assert frames == packet_sizes(33, initial, chunk, growth)  # (2, 25, True): 2, 2, 4, 8, 16, 1
+    assert frames == packet_sizes(33, idle or initial, chunk, growth)  # (2, 25, True): 2, 2, 4, 8, 16, 1
     assert [len(d.audio) for d in chunks] == [f * 1920 - (555 if i == 0 else 0) for i, f in enumerate(frames)]
     codes = np.concatenate([d.codes for d in chunks], 1)
     with torch.no_grad():

@@ -85,12 +85,13 @@ def test_batched_prompt_rows_equal_one_at_a_time():
     assert not torch.equal(prompt_embeds(talker, tokens, *with_embeds), batch[1])
 
 
-def stage_and_requests(ids_list: list[list[int]], voices: list[str]) -> tuple[TalkerStage, list[TextChunk]]:
+def stage_and_requests(ids_list: list[list[int]], voices: list[str],
+                       to_code2wav=lambda f: None) -> tuple[TalkerStage, list[TextChunk]]:
     hf = hf_reference("tiny")
     talker, config = load_talker(hf), hf.config
     tts = torch.tensor([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id])
     with torch.no_grad():
-        stage = TalkerStage(talker, config, lambda f: None, hf.thinker.get_input_embeddings()(tts), num_blocks=64)
+        stage = TalkerStage(talker, config, to_code2wav, hf.thinker.get_input_embeddings()(tts), num_blocks=64)
     width = talker.text_projection.linear_fc1.in_features
     chunks = []
     for i, (ids, voice) in enumerate(zip(ids_list, voices)):
@@ -150,3 +151,18 @@ def test_a_failed_batched_build_admits_each_alone(monkeypatch):
     assert [(r.request_id, type(e)) for r, e in failed] == [("r1", RuntimeError)]
     assert "mat1 and mat2" in str(failed[0][1])
     assert builds == [3, 1, 1, 1] and [s.req.request_id for s in stage.waiting] == ["r0", "r2"]
+
+
+@torch.no_grad()
+def test_a_first_frame_says_whether_the_talker_ran_its_request_alone():
+    """`FrameChunk.talker_alone` (code2wav's idle first packet): r0 alone at its first frame; r1 and r2, admitted
+    while r0 still runs (waiting for its next token), not."""
+    sent = []
+    stage, chunks = stage_and_requests(PROMPTS[:3], VOICES[:3], sent.append)
+    stage.add(chunks[0])
+    stage.step()  # r0's prefill and first frame
+    stage.add(chunks[1])
+    stage.add(chunks[2])
+    stage.step()  # r1's and r2's; r0 waits for its next token
+    assert [(c.request.request_id, c.talker_alone) for c in sent] == [("r0", True), ("r1", False), ("r2", False)]
+    assert all(c.frame is not None and not c.finished for c in sent)

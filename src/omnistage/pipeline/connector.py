@@ -36,11 +36,13 @@ class TextChunk:
 
 @dataclass
 class FrameChunk:
-    """One codec frame [G] for code2wav, or the end of the frames (`finished`)."""
+    """One codec frame [G] for code2wav, or the end of the frames (`finished`). `talker_alone` (a request's
+    first frame): the talker ran no other request when it made it."""
 
     request: Request
     frame: torch.Tensor | None = None
     finished: bool = False
+    talker_alone: bool = False
 
 
 class Inbox(Generic[T]):

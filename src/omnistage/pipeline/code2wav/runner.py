@@ -1,17 +1,17 @@
 """Code2Wav's streaming chunk step on static buffers: one CUDA graph per (batch bucket, chunk shape) on
 CUDA, the same function run eagerly on the same buffers elsewhere (CPU: what the tests exercise).
 
-Chunk shapes, keyed (n, first): a stream's first chunk (`initial` frames, `first`: the transposed convs
-trim their start) and every length the packet schedule (`connector.packet_frames`) gives a later chunk
-(initial 2, cap 25, growth: 2, 4, 8, 16, 25). A chunk shorter than its schedule's length is always its
-stream's last (the stage cuts one only once the frames have ended); it runs in the smallest shape of its
-kind that holds it, padded with stale codes, and keeps only its own frames' samples: exact, as the
-decoder is causal (a sample never depends on a later frame, and the samples that would need the first
-padding frame are the ones dropped); the padding frames leave garbage in the stream's state, which is
-closed right after. So a step is at most one replay per shape (per batch bucket), where exact final
-shapes would add an eager step per distinct final length (~hundreds of kernel launches each); the price
-is once per stream a few padding frames of compute (fewer than the gap below the shape: at most 8, 17 in
-25, for the shapes above), as padding rows cost within a bucket.
+Chunk shapes, keyed (n, first): a stream's first chunk (`initial` frames, one of the stage's `initials`;
+`first`: the transposed convs trim their start) and every length the packet schedule
+(`connector.packet_frames`) gives a later chunk (initial 2, cap 25, growth: 2, 4, 8, 16, 25; initial 1 adds
+1). A chunk shorter than its schedule's length is always its stream's last (the stage cuts one only once the
+frames have ended); it runs in the smallest shape of its kind that holds it, padded with stale codes, and
+keeps only its own frames' samples: exact, as the decoder is causal (a sample never depends on a later frame,
+and the samples that would need the first padding frame are the ones dropped); the padding frames leave
+garbage in the stream's state, which is closed right after. So a step is at most one replay per shape (per
+batch bucket), where exact final shapes would add an eager step per distinct final length (~hundreds of kernel
+launches each); the price is once per stream a few padding frames of compute (fewer than the gap below the
+shape: at most 8, 17 in 25, for the shapes above), as padding rows cost within a bucket.
 
 The per-stream state stays in `Code2WavStreamCache`'s fixed rows (one per slot, allocated once for
 max_batch_size streams); the graph gathers and scatters it through a static slot-index buffer. Padding
@@ -29,23 +29,23 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.layers.context import to_device
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
-from omnistage.pipeline.connector import later_packet_frames, packet_frames
+from omnistage.pipeline.connector import later_packet_frames
 
 Shape = tuple[int, bool]  # (frames, first)
 
 
 class Code2WavGraphRunner:
-    def __init__(self, streamer: Code2WavStreamer, batch_sizes: Sequence[int], initial_frames: int,
+    def __init__(self, streamer: Code2WavStreamer, batch_sizes: Sequence[int], initials: Sequence[int],
                  chunk_frames: int, growth: bool) -> None:
-        """Buckets `batch_sizes`; chunks as `packet_frames(emitted, initial_frames, chunk_frames, growth)`.
-        Captures CUDA graphs when the model is on a CUDA device."""
+        """Buckets `batch_sizes`; chunks as `packet_frames(emitted, initial, chunk_frames, growth)`, `initial`
+        one of `initials`. Captures CUDA graphs when the model is on a CUDA device."""
         self.streamer, self.batch_sizes = streamer, sorted(batch_sizes)
         cfg, cache = streamer.model.config, streamer.cache
         dev = cache.pos.device
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
-        self.schedule = (initial_frames, chunk_frames, growth)
         # NOTE: ascending: `_shape` takes the first that holds a chunk.
-        self.shapes = {True: [initial_frames], False: later_packet_frames(*self.schedule)}
+        later = {n for i in initials for n in later_packet_frames(i, chunk_frames, growth)}
+        self.shapes = {True: sorted(set(initials)), False: sorted(later)}
         keys = [(n, first) for first, ns in self.shapes.items() for n in ns]
         rows = self.batch_sizes[-1]
         # NOTE: [rows, n, Q]: a row's frames are contiguous, so one index_copy_ loads a whole step.
@@ -54,12 +54,14 @@ class Code2WavGraphRunner:
         self.slots = {k: torch.full((rows,), cache.scratch, dtype=torch.long, device=dev) for k in keys}
         self.graphs: CUDAGraphs | None = CUDAGraphs() if dev.type == "cuda" else None
 
-    def run(self, items: list[tuple[StreamState, torch.Tensor]], last: list[bool]) -> list[torch.Tensor]:
+    def run(self, items: list[tuple[StreamState, torch.Tensor]], last: list[bool],
+            targets: list[int]) -> list[torch.Tensor]:
         """As `Code2WavStreamer.step`: new frames `codes [Q, n]` per stream (each at most once) -> its new
-        samples. A chunk may be shorter than its schedule's length only when it is its stream's `last`."""
+        samples. A chunk may be shorter than its schedule's length (`targets`) only when it is its stream's
+        `last`."""
         groups: dict[Shape, list[int]] = {}
         for i, (state, codes) in enumerate(items):
-            groups.setdefault(self._shape(state, codes.shape[-1], last[i]), []).append(i)
+            groups.setdefault(self._shape(state, codes.shape[-1], last[i], targets[i]), []).append(i)
         out: list[torch.Tensor] = [None] * len(items)
         top = self.batch_sizes[-1]
         for shape, idx in groups.items():
@@ -71,10 +73,10 @@ class Code2WavGraphRunner:
             state.frames += codes.shape[-1]
         return out
 
-    def _shape(self, state: StreamState, n: int, last: bool) -> Shape:
-        """The shape a chunk of `n` frames runs in: its schedule's length, or (a shorter last chunk) the
-        smallest of its kind that holds it."""
-        first, target = state.frames == 0, packet_frames(state.frames, *self.schedule)
+    def _shape(self, state: StreamState, n: int, last: bool, target: int) -> Shape:
+        """The shape a chunk of `n` frames runs in: its schedule's length `target`, or (a shorter last chunk)
+        the smallest of its kind that holds it."""
+        first = state.frames == 0
         if n > target or (n < target and not last):
             raise ValueError(f"a {'first' if first else 'later'} chunk of {n} frames does not fit {target} "
                              f"(shorter only as a stream's last)")

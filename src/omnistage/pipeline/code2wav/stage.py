@@ -28,6 +28,7 @@ DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry
 class WavSeq:
     req: Request
     state: StreamState
+    initial: int  # its first packet's frames
     pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not launched yet
     done: bool = False  # the talker sent its last frame
     in_flight: int = 0  # chunks launched whose samples are not emitted yet
@@ -61,18 +62,22 @@ class Code2WavStage(AsyncOutputStep):
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
                  initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
-                 cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
-        """Chunks of `packet_frames(emitted, initial_chunk_frames, chunk_frames, chunk_growth)` frames, at most
-        `max_num_batched_tokens` frames a step (a step's first chunk goes whatever its length).
+                 idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
+                 async_output: bool = False) -> None:
+        """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
+        `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
+        `initial_chunk_frames`; at most `max_num_batched_tokens` frames a step (a step's first chunk goes
+        whatever its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
-        self.schedule = (initial_chunk_frames, chunk_frames, chunk_growth)
+        self.schedule = (chunk_frames, chunk_growth)
+        self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = Code2WavGraphRunner(self.streamer, sizes, *self.schedule)
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(self.initials)), *self.schedule)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
         self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
@@ -117,7 +122,8 @@ class Code2WavStage(AsyncOutputStep):
         while self.waiting and len(self.seqs) < self.max_batch_size:
             rid = next(iter(self.waiting))
             chunks = self.waiting.pop(rid)
-            seq = self.seqs[rid] = WavSeq(chunks[0].request, self.streamer.open())
+            seq = WavSeq(chunks[0].request, self.streamer.open(), self.initials[chunks[0].talker_alone])
+            self.seqs[rid] = seq
             for chunk in chunks:
                 self._take(seq, chunk)
 
@@ -128,7 +134,7 @@ class Code2WavStage(AsyncOutputStep):
             seq.pending.append(arrive(chunk.frame, self.device))
 
     def _target(self, seq: WavSeq) -> int:
-        return packet_frames(seq.state.frames, *self.schedule)
+        return packet_frames(seq.state.frames, seq.initial, *self.schedule)
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()
@@ -160,7 +166,8 @@ class Code2WavStage(AsyncOutputStep):
     def _launch(self, ready: list[WavSeq]) -> Launched:
         """The next chunk of each ready request, decoded in one batched step; its samples and codes start
         on their way to the host."""
-        counts = [min(len(seq.pending), self._target(seq)) for seq in ready]
+        targets = [self._target(seq) for seq in ready]
+        counts = [min(len(seq.pending), t) for seq, t in zip(ready, targets)]
         last = [seq.done and n == len(seq.pending) for seq, n in zip(ready, counts)]
         frames = torch.stack([f for seq, n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
         starts = list(itertools.accumulate(counts, initial=0))
@@ -169,7 +176,7 @@ class Code2WavStage(AsyncOutputStep):
             del seq.pending[:n]
             seq.in_flight += 1
             seq.req.mark("code2wav_start")
-        wavs = self.runner.run(items, last) if self.runner is not None else self.streamer.step(items)
+        wavs = self.runner.run(items, last, targets) if self.runner is not None else self.streamer.step(items)
         # NOTE: queued before the samples' copy, so the one event `HostCopy` records covers the codes too.
         codes = frames.to("cpu", non_blocking=True)
         return Launched(ready, [w.numel() for w in wavs], counts, codes, HostCopy(torch.cat(wavs).float()))

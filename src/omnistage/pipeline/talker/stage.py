@@ -178,9 +178,11 @@ class TalkerStage(AsyncOutputStep):
         if c0 == self.talker.codec_eos:
             return self._finish(seq)
         seq.emitted += 1
+        alone = False
         if seq.emitted == 1:
             seq.req.mark("first_frame")
-        self.to_code2wav(FrameChunk(seq.req, frame))
+            alone = len(self.seqs) == 1 and not self.waiting
+        self.to_code2wav(FrameChunk(seq.req, frame, talker_alone=alone))
         if seq.emitted >= seq.req.talker_sampling.max_frames:
             self._finish(seq)
 
