@@ -41,10 +41,10 @@ class SlowStream:
         self.calls.append("prepare")
         self.clip = audio
 
-    async def close(self, audio: np.ndarray) -> object:
+    async def close(self, audio: np.ndarray):  # an async generator, as StreamingInput.close's deltas
         self.overlapped |= self.busy
         self.calls.append("close")
-        return object()
+        yield object()
 
     async def abort(self) -> None:
         self.overlapped |= self.busy
@@ -63,9 +63,11 @@ def pcm(ms: int, seed: int) -> bytes:
     return (np.random.default_rng(seed).normal(0, 3000, ms * 24)).astype("<i2").tobytes()
 
 
-async def opened() -> tuple[EarlyPrefill, FakeEngine, InputAudioBuffer]:
+async def opened(preemptive: bool = False) -> tuple[EarlyPrefill, FakeEngine, InputAudioBuffer]:
+    """Not `preemptive` (the default's opposite): a pause prepares its clip and the audio after it goes on."""
     engine = FakeEngine()
-    early = EarlyPrefill(engine, VOICES, DeployConfig(realtime_streaming_input=True), ServerMetrics())
+    deploy = DeployConfig(realtime_streaming_input=True, realtime_preemptive_response=preemptive)
+    early = EarlyPrefill(engine, VOICES, deploy, ServerMetrics())
     buffer = InputAudioBuffer(1 << 24)
     buffer.append(pcm(40, 0))
     await early.open(initial(VOICES, "m"), Conversation(), "item_1", buffer)
@@ -137,3 +139,27 @@ def test_a_pause_is_prepared_before_the_audio_pending():
     assert np.array_equal(clip, pcm_to_16k(pcm16)) and np.array_equal(stream.clip, clip)
     assert got == 2 and stream.calls[0] == "prepare"  # the open's 40 ms, the pause, then the 60 ms pending
     assert aborted is None and not stream.overlapped
+
+
+def test_a_preemptive_pause_closes_the_request_on_its_clip():
+    """Preemptive (the default): the pause's clip is prepared and the request closed with it; the audio pending
+    after the pause and later feeds do not go on (the turn's response takes the close's deltas)."""
+    async def main():
+        early, engine, buffer = await opened(preemptive=True)
+        buffer.append(pcm(60, 1))
+        early.feed(buffer)
+        end = buffer.end - 24 * 30
+        early.prepare(buffer, end)
+        engine.stream.release.set()
+        clip = await early.clip(end)
+        async with asyncio.timeout(5):
+            while "close" not in engine.stream.calls:
+                await asyncio.sleep(0.001)
+        buffer.append(pcm(20, 2))
+        early.feed(buffer)
+        await asyncio.sleep(0.01)
+        return engine.stream, clip, bytes(buffer.pcm[:end * 2])
+
+    stream, clip, pcm16 = asyncio.run(main())
+    assert stream.calls == ["prepare", "close"] and len(stream.got) == 1  # the open's 40 ms only
+    assert np.array_equal(clip, pcm_to_16k(pcm16)) and np.array_equal(stream.clip, clip)
