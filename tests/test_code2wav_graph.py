@@ -80,6 +80,8 @@ def test_chunks_must_fit_their_shape() -> None:
         runner.run([(StreamState(slot=0, frames=4), codes[:, :3])], [False], [4])
     with pytest.raises(ValueError, match="later chunk of 5 frames does not fit 4"):  # growth: 4 after 4
         runner.run([(StreamState(slot=0, frames=4), codes)], [False], [4])
+    with pytest.raises(ValueError, match="no later chunk shape of 3 frames"):  # not the runner's schedule
+        runner.run([(StreamState(slot=0, frames=4), codes[:, :3])], [False], [3])
 
 
 def test_deploy_config_switches_the_runner_on() -> None:

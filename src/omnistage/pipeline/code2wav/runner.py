@@ -77,6 +77,8 @@ class Code2WavGraphRunner:
         """The shape a chunk of `n` frames runs in: its schedule's length `target`, or (a shorter last chunk)
         the smallest of its kind that holds it."""
         first = state.frames == 0
+        if target not in self.shapes[first]:
+            raise ValueError(f"no {'first' if first else 'later'} chunk shape of {target} frames")
         if n > target or (n < target and not last):
             raise ValueError(f"a {'first' if first else 'later'} chunk of {n} frames does not fit {target} "
                              f"(shorter only as a stream's last)")
