@@ -75,6 +75,17 @@ async def opened(preemptive: bool = False) -> tuple[EarlyPrefill, FakeEngine, In
     return early, engine, buffer
 
 
+async def paused(early: EarlyPrefill, engine: FakeEngine, buffer: InputAudioBuffer) -> tuple[int, np.ndarray]:
+    """60 ms more fed while the open's append is in flight, a pause 30 ms before their end prepared, then the
+    append released: (the pause's end, its clip)."""
+    buffer.append(pcm(60, 1))
+    early.feed(buffer)
+    end = buffer.end - 24 * 30
+    early.prepare(buffer, end)
+    engine.stream.release.set()
+    return end, await early.clip(end)
+
+
 def test_feeds_never_wait_and_what_arrives_meanwhile_goes_on_in_one_piece():
     async def main():
         early, engine, buffer = await opened()
@@ -118,12 +129,7 @@ def test_a_pause_is_prepared_before_the_audio_pending():
     abort leaves a pending clip's waiter with None."""
     async def main():
         early, engine, buffer = await opened()
-        buffer.append(pcm(60, 1))
-        early.feed(buffer)
-        end = buffer.end - 24 * 30
-        early.prepare(buffer, end)
-        engine.stream.release.set()
-        clip = await early.clip(end)
+        end, clip = await paused(early, engine, buffer)
         assert await early.clip(end + 1) is None
         async with asyncio.timeout(5):
             while "prepare" not in engine.stream.calls or engine.stream.busy:
@@ -146,12 +152,7 @@ def test_a_preemptive_pause_closes_the_request_on_its_clip():
     after the pause and later feeds do not go on (the turn's response takes the close's deltas)."""
     async def main():
         early, engine, buffer = await opened(preemptive=True)
-        buffer.append(pcm(60, 1))
-        early.feed(buffer)
-        end = buffer.end - 24 * 30
-        early.prepare(buffer, end)
-        engine.stream.release.set()
-        clip = await early.clip(end)
+        end, clip = await paused(early, engine, buffer)
         async with asyncio.timeout(5):
             while "close" not in engine.stream.calls:
                 await asyncio.sleep(0.001)
