@@ -15,6 +15,7 @@ import torch
 from omnistage.config import ConfigError, DeployConfig
 from omnistage.config_loader import default_deploy_config, load_deploy_config, resolve_deploy_config
 from omnistage.config_rules import QUANTIZED_STAGES
+from omnistage.gc_heap import settle_heap
 from omnistage.media.warm import warm_media
 from omnistage.pipeline.placement.memory import ONE_80GB_LAYOUT, GiB, MemoryBudgetError
 from omnistage.platform import detect_platform
@@ -196,6 +197,7 @@ def serve(args: argparse.Namespace) -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, engine = build(args)
+    settle_heap("serving process")
     try:
         # NOTE: no permessage-deflate: it saves a third of the bytes of base64 audio (34 % of 20 ms
         # appends of speech) for zlib calls in the event loop, each giving the GIL up to the stage threads

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from omnistage.gc_heap import settle_heap
 from omnistage.pipeline.placement.local import Placement
 from omnistage.pipeline.placement.remote import DRAIN_WAIT_S
 from omnistage.pipeline.placement.replica_host import Event, GroupHost
@@ -42,6 +43,7 @@ def run_host(make: Callable[[], Any], inbox: Any, outbox: Any) -> None:
     except BaseException as e:
         outbox.send_bytes(dumps(("error", repr(e))))
         raise
+    settle_heap(multiprocessing.current_process().name)
     outbox.send_bytes(dumps(("info", host.info(), embeds)))
     threading.Thread(target=_read, args=(host, inbox), name="omnistage-host-in", daemon=True).start()
     while True:
