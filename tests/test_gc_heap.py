@@ -28,10 +28,9 @@ def test_freeze_heap_leaves_collections_only_what_came_after() -> None:
     assert gc.get_freeze_count() == 0
 
 
-def test_pause_watch_times_and_logs_slow_collections(caplog) -> None:
-    watch = PauseWatch("probe", threshold_s=0.0)
-    fast = PauseWatch("fast", threshold_s=60.0)
-    gc.callbacks.extend([watch, fast])
+def test_pause_watch_logs_slow_collections(caplog) -> None:
+    watches = [PauseWatch("probe", threshold_s=0.0), PauseWatch("fast", threshold_s=60.0)]
+    gc.callbacks.extend(watches)
     try:
         with caplog.at_level(logging.WARNING, logger="omnistage.gc_heap"):
             a, b = [], []
@@ -40,10 +39,11 @@ def test_pause_watch_times_and_logs_slow_collections(caplog) -> None:
             del a, b
             gc.collect()
     finally:
-        gc.callbacks.remove(watch)
-        gc.callbacks.remove(fast)
-    assert watch.pauses and watch.pauses[-1][0] == 2 and watch.pauses[-1][1] > 0 and fast.pauses == []
-    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("probe:")][-1:]
+        for w in watches:
+            gc.callbacks.remove(w)
+    lines = [r.getMessage() for r in caplog.records]
+    assert not [m for m in lines if m.startswith("fast:")]
+    line = [m for m in lines if m.startswith("probe:")][-1]
     assert re.fullmatch(r"probe: a garbage collection of generation 2 took \d+ ms \(\d+ objects collected\)", line)
     assert int(re.search(r"\((\d+) objects", line).group(1)) >= 2
 
