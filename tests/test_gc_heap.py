@@ -16,10 +16,11 @@ pytest_plugins = ["serve_fixtures", "realtime_helpers"]
 
 def test_freeze_heap_leaves_collections_only_what_came_after() -> None:
     torch.nn.Linear(4, 4)  # NOTE: what a process holds after start-up, here pytest's and torch's
-    assert len(gc.get_objects()) > 10_000
+    before = len(gc.get_objects())
+    assert before > 10_000
     try:
         frozen = freeze_heap()
-        assert frozen > 10_000 and len(gc.get_objects()) < 100
+        assert frozen > 10_000 and len(gc.get_objects()) < before // 100  # NOTE: other threads may add a few
         later = [[i] for i in range(1000)]  # containers: tracked
         assert len(gc.get_objects()) >= 1000 and gc.get_freeze_count() == frozen
         del later
