@@ -37,7 +37,7 @@ class TextChunk:
 @dataclass
 class FrameChunk:
     """One codec frame [G] for code2wav, or the end of the frames (`finished`). `talker_alone` (a request's
-    first frame): the talker ran no other request when it made it."""
+    first frame): the talker ran no other request, and had none waiting, when it made it."""
 
     request: Request
     frame: torch.Tensor | None = None
