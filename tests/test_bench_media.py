@@ -127,6 +127,8 @@ def test_playback_stalls_on_hand_made_timings():
     assert row["p50_stall_ms"] == pytest.approx(700) and row["first_ttfp_ms"] == 0.0
     # late chunks 2 and 4 of the second stream (at 1.5 s and 3.5 s), chunk 1 of the third (2.9 s); row 0.5-3.51 s
     assert row["stalls_by_chunk"] == [1, 1, 0, 1] and row["stalls_by_tenth"] == [0, 0, 0, 1, 0, 0, 0, 1, 0, 1]
+    # the audio ran out at 1.0 (waits 0.5 s), 2.2 (0.7 s) and 2.5 (1 s)
+    assert row["stall_events"] == [[1.0, 500.0, 2], [2.2, 700.0, 1], [2.5, 1000.0, 4]]
 
 
 def _bench(*argv: str) -> int:

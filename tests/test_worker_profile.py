@@ -8,14 +8,15 @@ import json
 import pstats
 import threading
 
+import pytest
 import torch
 
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline import worker
 from omnistage.pipeline.connector import Inbox
 from omnistage.pipeline.faults import StepFaults
-from omnistage.pipeline import worker
 from omnistage.pipeline.worker import StageWorker
 
 
@@ -35,10 +36,10 @@ class CountingStage:
         pass
 
 
-def run_worker(name: str) -> tuple[StageWorker, CountingStage]:
+def run_worker(name: str, device: str = "cpu") -> tuple[StageWorker, CountingStage]:
     stage = CountingStage()
     errors: list = []
-    w = StageWorker(name, stage, torch.device("cpu"), lambda *a: errors.append(a))
+    w = StageWorker(name, stage, torch.device(device), lambda *a: errors.append(a))
     w.start()
     assert stage.stepped.wait(10)
     w.stop()
@@ -76,8 +77,18 @@ def test_worker_traces_each_step_that_ran_rows(tmp_path, monkeypatch) -> None:
     _, stage = run_worker("thinker")
     lines = trace(tmp_path / "thinker.jsonl")
     assert len(lines) == min(stage.steps, 49)  # step 50 on ran nothing
-    assert all(x["rows"] == 1 and x["tokens"] is None and x["ms"] >= 0 for x in lines)
+    assert all(x["rows"] == 1 and x["tokens"] is None and x["ms"] >= 0 and "cuda" not in x for x in lines)
     assert [x["t"] for x in lines] == sorted(x["t"] for x in lines)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA")
+def test_a_cuda_worker_traces_the_allocator_s_totals(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("OMNISTAGE_STEP_TRACE", str(tmp_path))
+    before = torch.cuda.memory_stats(0).get("num_device_alloc", 0)
+    run_worker("code2wav", "cuda:0")
+    totals = [x["cuda"] for x in trace(tmp_path / "code2wav.jsonl")]
+    assert totals and all(len(t) == 3 and t[0] >= before for t in totals)
+    assert totals == sorted(totals)  # running totals
 
 
 def test_step_trace_counts_each_stage_s_new_rows(tmp_path, monkeypatch) -> None:

@@ -17,6 +17,7 @@ import numpy as np
 from omnistage.outputs import SAMPLE_RATE
 
 PERCENTILES = (50, 90, 99)
+MAX_STALL_EVENTS = 500
 # metric -> (unit scale from seconds, row key stem)
 _METRICS = {"ttft": (1e3, "ttft_ms"), "ttfp": (1e3, "ttfp_ms"), "e2e": (1e3, "e2e_ms"), "rtf": (1.0, "rtf"),
             "itl": (1e3, "itl_ms"), "icg": (1e3, "icg_ms"), "stall": (1e3, "stall_ms")}
@@ -73,16 +74,20 @@ class RequestResult:
         return out
 
 
-def stall_spread(results: Sequence[RequestResult], start: float, duration: float) -> dict[str, list[int]]:
+def stall_spread(results: Sequence[RequestResult], start: float, duration: float) -> dict[str, list]:
     """Where a row's stalls fall: counts by the late chunk's index (1, 2, 3, 4 and later) and by the tenth of
-    the row's duration it arrived in (a burst's start against steady load)."""
-    by_chunk, by_tenth = [0] * 4, [0] * 10
+    the row's duration it arrived in (a burst's start against steady load); and each stall as [perf_counter()
+    when the audio ran out, ms waited, chunk index], in time order (the first `MAX_STALL_EVENTS`): the server's
+    step trace (OMNISTAGE_STEP_TRACE) on the same host has the same clock."""
+    by_chunk, by_tenth, events = [0] * 4, [0] * 10, []
     for r in results:
-        for i, _ in late_chunks(r.audio_times, r.audio_chunks) if r.audio_chunks else ():
+        for i, wait in late_chunks(r.audio_times, r.audio_chunks) if r.audio_chunks else ():
             by_chunk[min(i, 4) - 1] += 1
             at = (r.send + r.audio_times[i] - start) / duration if duration > 0 else 0.0
             by_tenth[min(max(int(10 * at), 0), 9)] += 1
-    return {"stalls_by_chunk": by_chunk, "stalls_by_tenth": by_tenth}
+            events.append([round(r.send + r.audio_times[i] - wait, 4), round(1e3 * wait, 1), i])
+    return {"stalls_by_chunk": by_chunk, "stalls_by_tenth": by_tenth,
+            "stall_events": sorted(events)[:MAX_STALL_EVENTS]}
 
 
 def _stats(values: list[float], scale: float, stem: str) -> dict[str, float | None]:

@@ -81,7 +81,7 @@ class StageWorker:
     def _traced(self) -> Iterator[None]:
         """With OMNISTAGE_STEP_TRACE=DIR, one JSON line per step that ran rows into DIR/<name>.jsonl: its start
         (perf_counter s, one clock for every stage of the process), wall ms, rows and new input rows (`tokens`:
-        prompt and decode tokens, talker prompt rows, codec frames)."""
+        prompt and decode tokens, talker prompt rows, codec frames); on CUDA also `allocator_totals`."""
         out = os.environ.get("OMNISTAGE_STEP_TRACE")
         # NOTE: line-buffered: a killed server keeps every step it traced
         self._trace = open(os.path.join(out, f"{self.name}.jsonl"), "w", buffering=1) if out else None
@@ -122,7 +122,8 @@ class StageWorker:
                 if ran and self._trace is not None:
                     self._trace.write(json.dumps({
                         "t": round(start, 6), "ms": round(1e3 * (time.perf_counter() - start), 3),
-                        "rows": self.stage.last_batch, "tokens": getattr(self.stage, "last_tokens", None)}) + "\n")
+                        "rows": self.stage.last_batch, "tokens": getattr(self.stage, "last_tokens", None),
+                        **allocator_totals(self.device)}) + "\n")
         except Exception as e:
             blamed = list(self.stage.step_requests)
             self._unblamed = 0 if blamed else self._unblamed + 1
@@ -142,3 +143,13 @@ class StageWorker:
         self.failed_requests += len(requests)
         if requests:
             self.on_error(error, requests)
+
+
+def allocator_totals(device: torch.device) -> dict[str, list[int]]:
+    """{"cuda": [device allocations, frees, allocations retried after the allocator freed its cache]} of the CUDA
+    caching allocator on `device` so far (each a stall of the device; every stage on it shows the same); {}
+    elsewhere."""
+    if device.type != "cuda":
+        return {}
+    s = torch.cuda.memory_stats(device)
+    return {"cuda": [s.get("num_device_alloc", 0), s.get("num_device_free", 0), s.get("num_alloc_retries", 0)]}
