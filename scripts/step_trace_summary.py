@@ -5,7 +5,10 @@ behind the largest prefills of `--stage` (a burst), so long steps and waits show
 
     python scripts/step_trace_summary.py OUT/local/trace-server [--stage talker] [--bursts 3]
         [--clock OUT/clock.txt --row realtime]   (only the steps between that mark and the next:
-                                                  scripts/gpu_load_trace.sh writes the marks)"""
+                                                  scripts/gpu_load_trace.sh writes the marks)
+        [--stalls OUT/results.json]   (instead of bursts: the bench rows' stalls in the trace's time span, grouped
+                                       where the audio ran out within --gap ms of the last; the steps before
+                                       the largest groups; `cuda`: the allocator's allocations, frees, retries)"""
 
 from __future__ import annotations
 
@@ -46,7 +49,33 @@ def window(steps: dict[str, list[dict]], t0: float, before_ms: float, after_ms: 
     rows = [(s["t"], name, s) for name, ss in steps.items() for s in ss
             if t0 - before_ms / 1e3 <= s["t"] <= t0 + after_ms / 1e3]
     return [f"  {1e3 * (t - t0):+8.1f} ms  {name:9s} {s['ms']:7.1f} ms  rows {s['rows']:3d}  "
-            f"extra {prefill_rows(s)}" for t, name, s in sorted(rows, key=lambda r: r[0])]
+            f"extra {prefill_rows(s)}" + (f"  cuda {s['cuda']}" if "cuda" in s else "")
+            for t, name, s in sorted(rows, key=lambda r: r[0])]
+
+
+def stall_groups(results: Path, start: float, end: float, gap_ms: float) -> list[list[list[float]]]:
+    """The bench rows' `stall_events` between `start` and `end`, grouped where one began within `gap_ms` of the
+    group's last, largest group first."""
+    events = sorted(e for row in json.loads(results.read_text())["rows"] for e in row.get("stall_events", [])
+                    if start <= e[0] <= end)
+    groups: list[list[list[float]]] = []
+    for e in events:
+        if groups and e[0] - groups[-1][-1][0] <= gap_ms / 1e3:
+            groups[-1].append(e)
+        else:
+            groups.append([e])
+    return sorted(groups, key=len, reverse=True)
+
+
+def print_stalls(steps: dict[str, list[dict]], args: argparse.Namespace) -> None:
+    times = [s["t"] for ss in steps.values() for s in ss]
+    groups = stall_groups(args.stalls, min(times), max(times) + 10, args.gap)
+    print(f"\n{sum(map(len, groups))} stalls in {len(groups)} groups; sizes {[len(g) for g in groups][:20]}")
+    for g in groups[:args.bursts]:
+        waits = [e[1] for e in g]
+        print(f"\n{len(g)} stalls from t = {g[0][0]:.3f} over {1e3 * (g[-1][0] - g[0][0]):.0f} ms, waits "
+              f"{min(waits):.0f}-{max(waits):.0f} ms, chunks {sorted({e[2] for e in g})}:")
+        print("\n".join(window(steps, g[0][0], args.before, args.after)))
 
 
 def main() -> None:
@@ -58,10 +87,15 @@ def main() -> None:
     ap.add_argument("--after", type=float, default=300.0)
     ap.add_argument("--clock", type=Path, default=None, help="marks between rows (with --row)")
     ap.add_argument("--row", default=None)
+    ap.add_argument("--stalls", type=Path, default=None, help="a bench results.json with stall_events")
+    ap.add_argument("--gap", type=float, default=50.0)
     args = ap.parse_args()
     steps = load(args.trace_dir)
     if args.clock is not None and args.row is not None:
         steps = between(steps, args.clock, args.row)
+    if args.stalls is not None:
+        print_stalls(steps, args)
+        return
     for name, ss in steps.items():
         print(f"{name:9s} all: {wall_stats(ss)}")
         print(f"{'':9s} more input rows than rows: {wall_stats([s for s in ss if prefill_rows(s)])}")
