@@ -18,7 +18,7 @@ from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, Stream
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
-from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, packet_frames
+from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, later_packet_frames, packet_frames
 from omnistage.pipeline.faults import StepFaults
 
 DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
@@ -33,6 +33,7 @@ class WavSeq:
     done: bool = False  # the talker sent its last frame
     in_flight: int = 0  # chunks launched whose samples are not emitted yet
     dry_at: float | None = None  # when its emitted audio, played in real time from its first chunk, runs out
+    chunk: tuple[int, int] = (0, 0)  # (frames, shape) of the chunk `_schedule` picked for this step, if any
 
     @property
     def ended(self) -> bool:
@@ -62,18 +63,20 @@ class Code2WavStage(AsyncOutputStep):
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
                  initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
-                 idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
-                 async_output: bool = False) -> None:
+                 idle_initial_chunk_frames: int = 0, dry_chunk_s: float = 0.0, cuda_graph: bool = False,
+                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
         `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
         `initial_chunk_frames`; at most `max_num_batched_tokens` frames a step (a step's first chunk goes
-        whatever its length).
+        whatever its length); `dry_chunk_s`: see `_next_chunk`.
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.schedule = (chunk_frames, chunk_growth)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
+        self.dry_chunk_s = dry_chunk_s
+        self.later = sorted({n for i in self.initials for n in later_packet_frames(i, *self.schedule)})
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
@@ -134,19 +137,38 @@ class Code2WavStage(AsyncOutputStep):
             seq.pending.append(arrive(chunk.frame, self.device))
 
     def _target(self, seq: WavSeq) -> int:
-        return packet_frames(seq.state.frames, seq.initial, *self.schedule)
+        """Its packet's length (after a dry chunk, the longest later packet length within it)."""
+        n = packet_frames(seq.state.frames, seq.initial, *self.schedule)
+        return n if seq.state.frames == 0 else max(k for k in self.later if k <= n)
+
+    def _next_chunk(self, seq: WavSeq, now: float) -> tuple[int, int]:
+        """(frames, shape) of its chunk if it goes this step, else (0, 0): its packet's length once it has that
+        many frames (the rest, shorter, once they ended); or, a later chunk whose audio runs out within
+        `dry_chunk_s`, the longest later packet length its frames fill."""
+        if not seq.pending:
+            return 0, 0
+        target, have = self._target(seq), len(seq.pending)
+        if have >= target or (seq.done and have):
+            return min(have, target), target
+        if self.dry_chunk_s and seq.dry_at is not None and seq.dry_at < now + self.dry_chunk_s:
+            fill = [n for n in self.later if n <= have]
+            if fill:
+                return fill[-1], fill[-1]
+        return 0, 0
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()
         for seq in [s for s in self.seqs.values() if s.ended]:  # its last chunk emitted in an earlier step
             self.faults.run(seq.req, self._finish, seq)
         self._admit()
-        ready = [s for s in self.seqs.values() if s.pending and (len(s.pending) >= self._target(s) or s.done)]
+        now = monotonic()
+        for s in self.seqs.values():
+            s.chunk = self._next_chunk(s, now)
+        ready = [s for s in self.seqs.values() if s.chunk[0]]
         # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks; those of
         # streams about to run dry go along (in a burst of first chunks they waited, and their playback stalled)
         if firsts := [s for s in ready if s.state.frames == 0]:
-            soon = monotonic() + DRY_SOON_S
-            ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < soon]
+            ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < now + DRY_SOON_S]
         ready = self._within_budget(ready)
         self.step_requests = [s.req for s in ready]
         return ready
@@ -154,20 +176,19 @@ class Code2WavStage(AsyncOutputStep):
     def _within_budget(self, ready: list[WavSeq]) -> list[WavSeq]:
         kept, frames = [], 0
         for seq in ready:
-            n = min(len(seq.pending), self._target(seq))
+            n = seq.chunk[0]
             if not kept or frames + n <= self.max_num_batched_tokens:
                 kept.append(seq)
                 frames += n
         return kept
 
     def _tokens(self, ready: list[WavSeq]) -> int:
-        return sum(min(len(seq.pending), self._target(seq)) for seq in ready)
+        return sum(seq.chunk[0] for seq in ready)
 
     def _launch(self, ready: list[WavSeq]) -> Launched:
         """The next chunk of each ready request, decoded in one batched step; its samples and codes start
         on their way to the host."""
-        targets = [self._target(seq) for seq in ready]
-        counts = [min(len(seq.pending), t) for seq, t in zip(ready, targets)]
+        counts, targets = [seq.chunk[0] for seq in ready], [seq.chunk[1] for seq in ready]
         last = [seq.done and n == len(seq.pending) for seq, n in zip(ready, counts)]
         frames = torch.stack([f for seq, n in zip(ready, counts) for f in seq.pending[:n]])  # [sum n, Q]
         starts = list(itertools.accumulate(counts, initial=0))
