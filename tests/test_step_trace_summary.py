@@ -1,4 +1,5 @@
-"""scripts/step_trace_summary.py on a hand-made two-stage trace: the step statistics and the burst window."""
+"""scripts/step_trace_summary.py on a hand-made two-stage trace: the step statistics, the burst window, and a
+bench row's stalls grouped with the steps before them."""
 
 import importlib.util
 import json
@@ -47,3 +48,21 @@ def test_a_row_between_two_clock_marks(tmp_path):
     assert [s["t"] for s in second["talker"]] == [10.07] and second["thinker"] == []  # 10.5 is the next mark's
     last = mod.between(steps, tmp_path / "clock.txt", "last")
     assert [s["t"] for s in last["thinker"]] == [10.5] and last["talker"] == []
+
+
+def test_stalls_grouped_with_the_steps_before_them(tmp_path, capsys, monkeypatch):
+    _write(tmp_path / "talker.jsonl", [(10.0, 10.0, 4, 4), (10.02, 40.0, 6, 60), (10.07, 20.0, 6, 6)])
+    _write(tmp_path / "thinker.jsonl", [(9.9, 5.0, 2, 2), (10.01, 8.0, 2, 300), (10.5, 5.0, 2, 2)])
+    events = [[10.06, 12.0, 2], [10.07, 9.0, 2], [10.085, 40.0, 3], [10.5, 5.0, 1], [30.0, 1.0, 1]]
+    (tmp_path / "results.json").write_text(json.dumps({"rows": [{"stall_events": events[:2]},
+                                                                {"stall_events": events[2:]}, {}]}))
+    mod = _module()
+    groups = mod.stall_groups(tmp_path / "results.json", 9.9, 20.0, 20.0)  # 30.0: outside the trace's span
+    assert [len(g) for g in groups] == [3, 1] and groups[0][-1] == [10.085, 40.0, 3]
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path), "--stalls", str(tmp_path / "results.json"),
+                                     "--gap", "20", "--bursts", "1", "--before", "50", "--after", "5"])
+    mod.main()
+    out = capsys.readouterr().out.splitlines()
+    assert "4 stalls in 2 groups; sizes [3, 1]" in out
+    at = out.index("3 stalls from t = 10.060 over 25 ms, waits 9-40 ms, chunks [2, 3]:")
+    assert [line.split()[0] for line in out[at + 1:]] == ["-50.0", "-40.0"]  # not +10.0: past --after
