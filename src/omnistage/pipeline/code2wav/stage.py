@@ -6,55 +6,21 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from time import monotonic
 
 import torch
 
 from omnistage.config import StageConfig
-from omnistage.engine.request import Request
 from omnistage.layers.context import HostCopy
-from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
+from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
+from omnistage.pipeline.code2wav.seq import Launched, WavSeq
 from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, later_packet_frames, packet_frames
 from omnistage.pipeline.faults import StepFaults
 
 DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
-
-
-@dataclass
-class WavSeq:
-    req: Request
-    state: StreamState
-    initial: int  # its first packet's frames
-    pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not launched yet
-    done: bool = False  # the talker sent its last frame
-    in_flight: int = 0  # chunks launched whose samples are not emitted yet
-    dry_at: float | None = None  # when its emitted audio, played in real time from its first chunk, runs out
-    chunk: tuple[int, int] = (0, 0)  # (frames, shape) of the chunk `_schedule` picked for this step, if any
-
-    @property
-    def ended(self) -> bool:
-        """Every frame decoded and its samples emitted."""
-        return self.done and not self.pending and not self.in_flight
-
-
-@dataclass
-class Launched:
-    """A launched chunk step: its requests, each chunk's samples and frames, and the step's samples and
-    codes on their way to the host."""
-
-    seqs: list[WavSeq]
-    samples: list[int]
-    frames: list[int]
-    codes: torch.Tensor  # [sum frames, Q] on the host once `audio` is
-    audio: HostCopy
-
-    def wait(self) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Per chunk its samples and its codes [n, Q] (waits for the step: the one host sync)."""
-        return self.audio.wait().split(self.samples), self.codes.split(self.frames)
 
 
 class Code2WavStage(AsyncOutputStep):
