@@ -45,12 +45,13 @@ read_aloud_rows() {
 }
 
 # bench_variant NAME LOG SECONDS [serve flags]: a server with those flags, then `omnistage bench "${COMMON[@]}"` against
-# it for what is left of SECONDS, its rows labelled NAME; then the server stops
+# it for what is left of SECONDS (BENCH_VARIANT_S: that many seconds once up), its rows labelled NAME; then
+# the server stops
 bench_variant() {
   local name=$1 log=$2 end=$((SECONDS + $3))
   shift 3
   start_server "$log" "$@" || { echo "variant '$name': no server"; return 1; }
-  local budget=$((end - SECONDS))
+  local budget=${BENCH_VARIANT_S:-$((end - SECONDS))}
   ((budget > 10)) || { echo "variant '$name': no time left"; stop_server; return 1; }
   echo "[$((SECONDS - T0)) s] variant '$name' (${budget} s)"
   "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$name"
