@@ -107,3 +107,25 @@ def test_a_stream_about_to_run_dry_sends_the_frames_it_has(graph: bool, dry_chun
     assert [d.codes.shape[1] for d in req.deltas] == packets and [d.audio.size for d in req.deltas] == samples(packets)
     whole = model()(codes.T[None])[0, 0].numpy()
     np.testing.assert_allclose(np.concatenate([d.audio for d in req.deltas]), whole, rtol=0, atol=1e-6)
+
+
+def test_no_dry_chunk_while_the_stream_s_last_chunk_is_on_its_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Asynchronous output: a step schedules before the previous step's chunks are emitted, so a stream's run-dry
+    time then lacks its chunk in flight; its frames wait for that chunk's emit, then go as a dry chunk if still
+    due."""
+    now = [100.0]
+    monkeypatch.setattr(code2wav_stage, "monotonic", lambda: now[0])
+    st, req = stage(False, initial=2, chunk=25, dry_chunk_s=0.1, async_output=True), Req("a")
+    codes = torch.randint(0, 2048, (7, 16), generator=torch.Generator().manual_seed(0))
+
+    def step(a: int, b: int, at: float) -> list[int]:
+        for f in codes[a:b]:
+            st.add(FrameChunk(req, f))
+        now[0] = at
+        st.step()
+        return [d.codes.shape[1] for d in req.deltas]
+
+    assert step(0, 2, 100.0) == [] and step(2, 4, 100.0) == [2]  # the first emitted: it plays until 100.137
+    # the second (2) on its way and 100.137 within 0.1 s: 3 frames wait rather than go; that one's emit: 100.297
+    assert step(4, 7, 100.1) == [2, 2] and st.last_batch == 0
+    assert step(7, 7, 100.2) == [2, 2] and st.last_batch == 1 and step(7, 7, 100.21) == [2, 2, 2]

@@ -110,13 +110,13 @@ class Code2WavStage(AsyncOutputStep):
     def _next_chunk(self, seq: WavSeq, now: float) -> tuple[int, int]:
         """(frames, shape) of its chunk if it goes this step, else (0, 0): its packet's length once it has that
         many frames (the rest, shorter, once they ended); or, a later chunk whose audio runs out within
-        `dry_chunk_s`, the longest later packet length its frames fill."""
+        `dry_chunk_s` and none of whose chunks is on its way, the longest later packet length its frames fill."""
         if not seq.pending:
             return 0, 0
         target, have = self._target(seq), len(seq.pending)
         if have >= target or (seq.done and have):
             return min(have, target), target
-        if self.dry_chunk_s and seq.dry_at is not None and seq.dry_at < now + self.dry_chunk_s:
+        if self.dry_chunk_s and not seq.in_flight and seq.dry_at is not None and seq.dry_at < now + self.dry_chunk_s:
             fill = [n for n in self.later if n <= have]
             if fill:
                 return fill[-1], fill[-1]
