@@ -30,6 +30,7 @@ BAD_CHAT = [
     ({**AUDIO, "audio": {"format": "aac"}}, 400, "audio.format"),
     ({**AUDIO, "audio": {"format": "mp3"}, "stream": True}, 400, "audio.format"),
     ({**AUDIO, "n": 2}, 400, "n"),
+    ({"n": 3}, 400, "n"),  # text only too: never fewer choices than asked
     ({"messages": []}, 400, "messages"),
     ({"temperature": "hot"}, 400, "temperature"),
     ({"max_tokens": 0}, 400, "max_tokens"),

@@ -208,9 +208,9 @@ class ChatCompletionRequest(_Strict):
         self.use_audio_in_video = self.use_audio_in_video if mm is None else mm
         if self.max_audio_frames is not None and self.talker and self.talker.max_frames is not None:
             raise bad_request("max_audio_frames: give it or talker.max_frames, not both", "max_audio_frames")
+        if self.n != 1:  # a 400 rather than fewer choices than asked for
+            raise bad_request("n: only 1 is supported (one choice a request)", "n")
         if self.wants_audio:
-            if self.n != 1:
-                raise bad_request("n: must be 1 when audio output is requested", "n")
             self.audio = self.audio or AudioParams()
             if self.stream:
                 check_format(self.audio.format, stream=True)
