@@ -1,7 +1,7 @@
 """A listener's stalls under the packet schedule, modelled: one stream's frames come a talker step apart (steps of
 `--step-ms`, +-35 % normal jitter), code2wav looks every 8 ms, a chunk reaches the listener `--latency-ms` after it
 goes; playback starts at the first chunk. Against `connector.dry_chunk_ms` (a later chunk about to run dry goes
-with the frames it has, as `Code2WavStage._next_chunk`). A model to predict with, not a measurement.
+with the frames it has: `connector.PacketSchedule`, as the stage). A model to predict with, not a measurement.
 
     python scripts/packet_schedule_sim.py [--step-ms 25,40,50] [--dry-ms 0,100] [--frames 60] [--streams 200]"""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import random
 
-from omnistage.pipeline.connector import later_packet_frames, packet_frames
+from omnistage.pipeline.connector import PacketSchedule
 
 FRAME_S, FIRST_TRIM_S, LOOK_S = 0.08, 555 / 24000, 0.008
 
@@ -18,7 +18,7 @@ FRAME_S, FIRST_TRIM_S, LOOK_S = 0.08, 555 / 24000, 0.008
 def stream(step_ms: float, dry_s: float, latency_s: float, frames: int, seed: int,
            initial: int = 2, cap: int = 25) -> tuple[int, float, int]:
     """(stalls, seconds waited, packets) of one stream."""
-    rnd, later = random.Random(seed), later_packet_frames(initial, cap, True)
+    rnd, schedule = random.Random(seed), PacketSchedule.of([initial], cap, True)
     t, arrivals = 0.0, []
     for _ in range(frames):
         t += max(0.005, rnd.gauss(step_ms, 0.35 * step_ms)) / 1e3
@@ -27,13 +27,8 @@ def stream(step_ms: float, dry_s: float, latency_s: float, frames: int, seed: in
     while emitted < frames:
         now += LOOK_S
         got = sum(a <= now for a in arrivals)
-        have, n = got - emitted, 0
-        target = packet_frames(emitted, initial, cap, True)
-        target = target if not emitted else max(k for k in later if k <= target)
-        if have >= target or (got == frames and have):
-            n = min(have, target)
-        elif emitted and dry_s and play_end is not None and play_end - latency_s < now + dry_s:
-            n = max((k for k in later if k <= have), default=0)
+        dry = dry_s > 0 and play_end is not None and play_end - latency_s < now + dry_s  # the server's view
+        n, _ = schedule.next_chunk(emitted, initial, got - emitted, got == frames, dry)
         if not n:
             continue
         reach = now + latency_s

@@ -1,21 +1,11 @@
 """scripts/packet_schedule_sim.py: the modelled stream keeps the packet schedule, and dry chunks take the stalls
 that growth alone has once frames come slower than twice real time."""
 
-import importlib.util
-from pathlib import Path
-
-SCRIPT = Path(__file__).parents[1] / "scripts" / "packet_schedule_sim.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("packet_schedule_sim", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_helpers import load_script
 
 
 def test_growth_needs_twice_real_time_and_dry_chunks_do_not():
-    sim = _module()
+    sim = load_script("packet_schedule_sim")
     fast = [sim.stream(25.0, 0.0, 0.02, 60, seed) for seed in range(20)]
     assert all(s == 0 and p == 7 for s, _, p in fast)  # 2 2 4 8 16 25 3: the schedule's packets, none late
     slow, dry = ([sim.stream(50.0, d, 0.02, 60, seed) for seed in range(20)] for d in (0.0, 0.1))

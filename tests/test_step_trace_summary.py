@@ -1,18 +1,10 @@
 """scripts/step_trace_summary.py on a hand-made two-stage trace: the step statistics, the burst window, and a
 bench row's stalls grouped with the steps before them."""
 
-import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).parents[1] / "scripts" / "step_trace_summary.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("step_trace_summary", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from script_helpers import load_script
 
 
 def _write(path: Path, steps: list[tuple[float, float, int, int]]) -> None:
@@ -23,7 +15,7 @@ def _write(path: Path, steps: list[tuple[float, float, int, int]]) -> None:
 def test_summary_and_burst_window(tmp_path, capsys, monkeypatch):
     _write(tmp_path / "talker.jsonl", [(10.0, 10.0, 4, 4), (10.02, 40.0, 6, 60), (10.07, 20.0, 6, 6)])
     _write(tmp_path / "thinker.jsonl", [(9.9, 5.0, 2, 2), (10.01, 8.0, 2, 300), (10.5, 5.0, 2, 2)])
-    mod = _module()
+    mod = load_script("step_trace_summary")
     steps = mod.load(tmp_path)
     assert [mod.prefill_rows(s) for s in steps["talker"]] == [0, 54, 0]
     assert mod.wall_stats(steps["talker"]) == "n 3 mean 23.3 p50 20.0 p90 40.0 max 40.0"
@@ -42,7 +34,7 @@ def test_a_row_between_two_clock_marks(tmp_path):
     _write(tmp_path / "talker.jsonl", [(10.0, 10.0, 4, 4), (10.02, 40.0, 6, 60), (10.07, 20.0, 6, 6)])
     _write(tmp_path / "thinker.jsonl", [(9.9, 5.0, 2, 2), (10.01, 8.0, 2, 300), (10.5, 5.0, 2, 2)])
     (tmp_path / "clock.txt").write_text("first 9.95\nsecond 10.05\nlast 10.5\n")
-    mod = _module()
+    mod = load_script("step_trace_summary")
     steps = mod.load(tmp_path)
     second = mod.between(steps, tmp_path / "clock.txt", "second")
     assert [s["t"] for s in second["talker"]] == [10.07] and second["thinker"] == []  # 10.5 is the next mark's
@@ -56,7 +48,7 @@ def test_stalls_grouped_with_the_steps_before_them(tmp_path, capsys, monkeypatch
     events = [[10.06, 12.0, 2], [10.07, 9.0, 2], [10.085, 40.0, 3], [10.5, 5.0, 1], [30.0, 1.0, 1]]
     (tmp_path / "results.json").write_text(json.dumps({"rows": [{"stall_events": events[:2]},
                                                                 {"stall_events": events[2:]}, {}]}))
-    mod = _module()
+    mod = load_script("step_trace_summary")
     groups = mod.stall_groups(tmp_path / "results.json", 9.9, 20.0, 20.0)  # 30.0: outside the trace's span
     assert [len(g) for g in groups] == [3, 1] and groups[0][-1] == [10.085, 40.0, 3]
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path), "--stalls", str(tmp_path / "results.json"),

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -93,3 +94,33 @@ def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:
         shapes.add(n)
         emitted += n
     return sorted(shapes)
+
+
+@dataclass(frozen=True)
+class PacketSchedule:
+    """Which chunk a stream sends next: its packet's length (`packet_frames`) once it has that many frames, or,
+    running dry (`dry`: a later chunk whose audio runs out soon), the longest later length its frames fill."""
+
+    cap: int
+    growth: bool
+    later: tuple[int, ...]  # every later packet length of the stream's first lengths, ascending
+
+    @classmethod
+    def of(cls, initials: Sequence[int], cap: int, growth: bool) -> PacketSchedule:
+        return cls(cap, growth, tuple(sorted({n for i in initials for n in later_packet_frames(i, cap, growth)})))
+
+    def target(self, emitted: int, initial: int) -> int:
+        """Its packet's length (after a dry chunk, the longest later length within it)."""
+        n = packet_frames(emitted, initial, self.cap, self.growth)
+        return n if emitted == 0 else max(k for k in self.later if k <= n)
+
+    def next_chunk(self, emitted: int, initial: int, have: int, ended: bool, dry: bool) -> tuple[int, int]:
+        """(frames, shape) of the chunk that goes now with `have` frames waiting (`ended`: no more come), else
+        (0, 0)."""
+        if not have:
+            return 0, 0
+        target = self.target(emitted, initial)
+        if have >= target or ended:
+            return min(have, target), target
+        fill = [n for n in self.later if n <= have] if dry and emitted else []
+        return (fill[-1], fill[-1]) if fill else (0, 0)

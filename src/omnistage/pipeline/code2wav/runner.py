@@ -29,7 +29,7 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket
 from omnistage.layers.context import to_device
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer, StreamState
-from omnistage.pipeline.connector import later_packet_frames
+from omnistage.pipeline.connector import PacketSchedule
 
 Shape = tuple[int, bool]  # (frames, first)
 
@@ -44,8 +44,8 @@ class Code2WavGraphRunner:
         dev = cache.pos.device
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
         # NOTE: ascending: `_shape` takes the first that holds a chunk.
-        later = {n for i in initials for n in later_packet_frames(i, chunk_frames, growth)}
-        self.shapes = {True: sorted(set(initials)), False: sorted(later)}
+        later = PacketSchedule.of(initials, chunk_frames, growth).later
+        self.shapes = {True: sorted(set(initials)), False: list(later)}
         keys = [(n, first) for first, ns in self.shapes.items() for n in ns]
         rows = self.batch_sizes[-1]
         # NOTE: [rows, n, Q]: a row's frames are contiguous, so one index_copy_ loads a whole step.

@@ -17,7 +17,7 @@ from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
 from omnistage.pipeline.code2wav.seq import Launched, WavSeq
-from omnistage.pipeline.connector import FrameChunk, Inbox, arrive, later_packet_frames, packet_frames
+from omnistage.pipeline.connector import FrameChunk, Inbox, PacketSchedule, arrive
 from omnistage.pipeline.faults import StepFaults
 
 DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
@@ -42,7 +42,7 @@ class Code2WavStage(AsyncOutputStep):
         self.schedule = (chunk_frames, chunk_growth)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
         self.dry_chunk_s = dry_chunk_s
-        self.later = sorted({n for i in self.initials for n in later_packet_frames(i, *self.schedule)})
+        self.packets = PacketSchedule.of(self.initials, *self.schedule)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
@@ -102,25 +102,12 @@ class Code2WavStage(AsyncOutputStep):
         else:
             seq.pending.append(arrive(chunk.frame, self.device))
 
-    def _target(self, seq: WavSeq) -> int:
-        """Its packet's length (after a dry chunk, the longest later packet length within it)."""
-        n = packet_frames(seq.state.frames, seq.initial, *self.schedule)
-        return n if seq.state.frames == 0 else max(k for k in self.later if k <= n)
-
     def _next_chunk(self, seq: WavSeq, now: float) -> tuple[int, int]:
-        """(frames, shape) of its chunk if it goes this step, else (0, 0): its packet's length once it has that
-        many frames (the rest, shorter, once they ended); or, a later chunk whose audio runs out within
-        `dry_chunk_s` and none of whose chunks is on its way, the longest later packet length its frames fill."""
-        if not seq.pending:
-            return 0, 0
-        target, have = self._target(seq), len(seq.pending)
-        if have >= target or (seq.done and have):
-            return min(have, target), target
-        if self.dry_chunk_s and not seq.in_flight and seq.dry_at is not None and seq.dry_at < now + self.dry_chunk_s:
-            fill = [n for n in self.later if n <= have]
-            if fill:
-                return fill[-1], fill[-1]
-        return 0, 0
+        """`PacketSchedule.next_chunk`: dry where its audio runs out within `dry_chunk_s` and none of its chunks
+        is on its way."""
+        dry = bool(self.dry_chunk_s) and not seq.in_flight and seq.dry_at is not None \
+            and seq.dry_at < now + self.dry_chunk_s
+        return self.packets.next_chunk(seq.state.frames, seq.initial, len(seq.pending), seq.done, dry)
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()
