@@ -5,9 +5,9 @@
 # setting, into $OUT/results.json (+ results.md). Each server's rows get BENCH_VARIANT_S (45) s once it is up (a
 # cold machine's first server takes ~130 s to start, a warm one's ~65); a setting starts only with 75 s + that left.
 #   BENCH_AB='name|stage overrides JSON|deploy overrides JSON;...'  (either JSON may be empty)
-# Device call: carry [".whl"], command (e.g. dry chunks off and on, twice):
-#   D='{"connector": {"dry_chunk_ms": 100}}' OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
-#   BENCH_AB="off||;dry||$D;off||;dry||$D" bash scripts/gpu_overrides_ab.sh
+# Device call: carry [".whl"], command (e.g. the talker's prompt rows a step, shipped and 1024, twice):
+#   S='{"talker": {"max_num_batched_tokens": 1024}}' OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
+#   BENCH_AB="shipped||;1024|$S|;shipped||;1024|$S|" bash scripts/gpu_overrides_ab.sh
 # Small scale on the CPU (~1 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_AB_C=2,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
 #   BENCH_VARIANT_S=20 BENCH_AB='a||;b|{"talker": {"max_num_batched_tokens": 64}}|' \

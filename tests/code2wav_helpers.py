@@ -91,11 +91,10 @@ def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = froze
 
 
 def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
-          chunk: int = CHUNK, async_output: bool = False, budget: int = 4096, idle_initial: int = 0,
-          dry_chunk_s: float = 0.0) -> Code2WavStage:
+          chunk: int = CHUNK, async_output: bool = False, budget: int = 4096, idle_initial: int = 0) -> Code2WavStage:
     return Code2WavStage(model(), max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
                          initial_chunk_frames=initial, chunk_frames=chunk, idle_initial_chunk_frames=idle_initial,
-                         dry_chunk_s=dry_chunk_s, chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes,
+                         chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes,
                          async_output=async_output)
 
 

@@ -1,18 +1,14 @@
 """The growing packet schedule (2, 2, 4, 8, 16, 25, ...): its rule, and packets of exactly its frames and
 samples through the eager stage and the runner, shorter last chunks padded into larger shapes, exact; streams
-the talker ran alone at their first frame start with `idle_initial` frames; a stream about to run dry sends the
-frames it has (`dry_chunk_s`)."""
+the talker ran alone at their first frame start with `idle_initial` frames."""
 
 from __future__ import annotations
 
 import numpy as np
-import pytest
-import torch
 
-from omnistage.pipeline.code2wav import stage as code2wav_stage
-from omnistage.pipeline.connector import FrameChunk, later_packet_frames, packet_frames
+from omnistage.pipeline.connector import later_packet_frames, packet_frames
 
-from code2wav_helpers import Req, Run, drive, model, samples, spy, stage
+from code2wav_helpers import Run, drive, model, samples, spy, stage
 from graph_helpers import EmulatedGraphs, packet_sizes
 
 
@@ -73,59 +69,3 @@ def test_streams_the_talker_ran_alone_start_with_the_idle_initial_packet() -> No
     assert packets == [[1, 1, 2, 4, 8, 16, 11], [2, 2, 4, 8, 16, 8], [1, 1, 1], [1]]
     assert padded == {((16, False), 11)}
     assert_exact(packets, graphed, eager)
-
-
-@pytest.mark.parametrize("graph", [False, True])
-@pytest.mark.parametrize("dry_chunk_s", [0.0, 0.1])
-def test_a_stream_about_to_run_dry_sends_the_frames_it_has(graph: bool, dry_chunk_s: float,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """Packets 2 and 2 play until 100.297 s; 3 frames of the next (4) wait while that is more than `dry_chunk_s`
-    away, then 2 go (the longest later length they fill); the next packet is 4 (the longest within 6), the last
-    the rest; exact. Off (0), the schedule's packets whenever the frames come."""
-    now = [100.0]
-    monkeypatch.setattr(code2wav_stage, "monotonic", lambda: now[0])
-    st, req = stage(graph, (1, 2, 4), initial=2, chunk=25, dry_chunk_s=dry_chunk_s), Req("a")
-    if graph:
-        st.runner.graphs = EmulatedGraphs()
-    codes = torch.randint(0, 2048, (12, 16), generator=torch.Generator().manual_seed(0))
-
-    def step(a: int, b: int, at: float) -> list[int]:
-        for f in codes[a:b]:
-            st.add(FrameChunk(req, f))
-        if b == len(codes):
-            st.add(FrameChunk(req, finished=True))
-        now[0] = at
-        st.step()
-        return [d.codes.shape[1] for d in req.deltas]
-
-    assert step(0, 2, 100.0) == [2] and step(2, 4, 100.0) == [2, 2] and step(4, 7, 100.19) == [2, 2]
-    assert step(7, 7, 100.2) == ([2, 2, 2] if dry_chunk_s else [2, 2])
-    step(7, 12, 100.3)
-    while not req.done:
-        step(0, 0, 100.3)
-    packets = [2, 2, 2, 4, 2] if dry_chunk_s else [2, 2, 4, 4]
-    assert [d.codes.shape[1] for d in req.deltas] == packets and [d.audio.size for d in req.deltas] == samples(packets)
-    whole = model()(codes.T[None])[0, 0].numpy()
-    np.testing.assert_allclose(np.concatenate([d.audio for d in req.deltas]), whole, rtol=0, atol=1e-6)
-
-
-def test_no_dry_chunk_while_the_stream_s_last_chunk_is_on_its_way(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Asynchronous output: a step schedules before the previous step's chunks are emitted, so a stream's run-dry
-    time then lacks its chunk in flight; its frames wait for that chunk's emit, then go as a dry chunk if still
-    due."""
-    now = [100.0]
-    monkeypatch.setattr(code2wav_stage, "monotonic", lambda: now[0])
-    st, req = stage(False, initial=2, chunk=25, dry_chunk_s=0.1, async_output=True), Req("a")
-    codes = torch.randint(0, 2048, (7, 16), generator=torch.Generator().manual_seed(0))
-
-    def step(a: int, b: int, at: float) -> list[int]:
-        for f in codes[a:b]:
-            st.add(FrameChunk(req, f))
-        now[0] = at
-        st.step()
-        return [d.codes.shape[1] for d in req.deltas]
-
-    assert step(0, 2, 100.0) == [] and step(2, 4, 100.0) == [2]  # the first emitted: it plays until 100.137
-    # the second (2) on its way and 100.137 within 0.1 s: 3 frames wait rather than go; that one's emit: 100.297
-    assert step(4, 7, 100.1) == [2, 2] and st.last_batch == 0
-    assert step(7, 7, 100.2) == [2, 2] and st.last_batch == 1 and step(7, 7, 100.21) == [2, 2, 2]

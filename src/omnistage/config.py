@@ -66,17 +66,12 @@ class ConnectorConfig:
     (`FrameChunk.talker_alone`; 0: `initial_codec_chunk_frames`): 1 starts the audio a talker step sooner. Only
     where a frame (a talker step, then code2wav's) takes well under a 1-frame first packet's 57 ms of audio, as
     on a GPU: on the CPU's tiny checkpoint 22 of 24 such streams stalled (benchmarks/HISTORY.md, 31st section);
-    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
-    `dry_chunk_ms`: a stream whose emitted audio runs out within this many ms sends the frames it has now, in the
-    longest later packet length they fill, rather than wait for its packet's length (0: off). Growth needs frames
-    at twice real time (a packet as long as all the audio before it takes as long to make as that audio plays);
-    under a burst a stream gets them slower, and its third and fourth packets came late (33rd section)."""
+    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
     codec_chunk_growth: bool = r.opt(True, r.boolean)
-    dry_chunk_ms: int = r.opt(0, r.non_negative_int)
 
 
 @dataclass(frozen=True)

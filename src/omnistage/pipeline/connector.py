@@ -98,8 +98,8 @@ def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:
 
 @dataclass(frozen=True)
 class PacketSchedule:
-    """Which chunk a stream sends next: its packet's length (`packet_frames`) once it has that many frames, or,
-    running dry (`dry`: a later chunk whose audio runs out soon), the longest later length its frames fill."""
+    """Which chunk a stream sends next: its packet's length (`packet_frames`) once it has that many frames (the
+    rest, shorter, once they ended); `later`: the lengths of the code2wav graphs for later chunks."""
 
     cap: int
     growth: bool
@@ -109,18 +109,8 @@ class PacketSchedule:
     def of(cls, initials: Sequence[int], cap: int, growth: bool) -> PacketSchedule:
         return cls(cap, growth, tuple(sorted({n for i in initials for n in later_packet_frames(i, cap, growth)})))
 
-    def target(self, emitted: int, initial: int) -> int:
-        """Its packet's length (after a dry chunk, the longest later length within it)."""
-        n = packet_frames(emitted, initial, self.cap, self.growth)
-        return n if emitted == 0 else max(k for k in self.later if k <= n)
-
-    def next_chunk(self, emitted: int, initial: int, have: int, ended: bool, dry: bool) -> tuple[int, int]:
+    def next_chunk(self, emitted: int, initial: int, have: int, ended: bool) -> tuple[int, int]:
         """(frames, shape) of the chunk that goes now with `have` frames waiting (`ended`: no more come), else
         (0, 0)."""
-        if not have:
-            return 0, 0
-        target = self.target(emitted, initial)
-        if have >= target or ended:
-            return min(have, target), target
-        fill = [n for n in self.later if n <= have] if dry and emitted else []
-        return (fill[-1], fill[-1]) if fill else (0, 0)
+        target = packet_frames(emitted, initial, self.cap, self.growth)
+        return (min(have, target), target) if have and (have >= target or ended) else (0, 0)

@@ -29,19 +29,18 @@ class Code2WavStage(AsyncOutputStep):
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
                  initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
-                 idle_initial_chunk_frames: int = 0, dry_chunk_s: float = 0.0, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
+                 idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
+                 async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
         `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
         `initial_chunk_frames`; at most `max_num_batched_tokens` frames a step (a step's first chunk goes
-        whatever its length); `dry_chunk_s`: see `_next_chunk`.
+        whatever its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.schedule = (chunk_frames, chunk_growth)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
-        self.dry_chunk_s = dry_chunk_s
         self.packets = PacketSchedule.of(self.initials, *self.schedule)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
@@ -102,26 +101,19 @@ class Code2WavStage(AsyncOutputStep):
         else:
             seq.pending.append(arrive(chunk.frame, self.device))
 
-    def _next_chunk(self, seq: WavSeq, now: float) -> tuple[int, int]:
-        """`PacketSchedule.next_chunk`: dry where its audio runs out within `dry_chunk_s` and none of its chunks
-        is on its way."""
-        dry = bool(self.dry_chunk_s) and not seq.in_flight and seq.dry_at is not None \
-            and seq.dry_at < now + self.dry_chunk_s
-        return self.packets.next_chunk(seq.state.frames, seq.initial, len(seq.pending), seq.done, dry)
-
     def _schedule(self) -> list[WavSeq]:
         self._receive()
         for seq in [s for s in self.seqs.values() if s.ended]:  # its last chunk emitted in an earlier step
             self.faults.run(seq.req, self._finish, seq)
         self._admit()
-        now = monotonic()
         for s in self.seqs.values():
-            s.chunk = self._next_chunk(s, now)
+            s.chunk = self.packets.next_chunk(s.state.frames, s.initial, len(s.pending), s.done)
         ready = [s for s in self.seqs.values() if s.chunk[0]]
         # NOTE: first chunks (time to first audio) do not wait behind a step of long later chunks; those of
         # streams about to run dry go along (in a burst of first chunks they waited, and their playback stalled)
         if firsts := [s for s in ready if s.state.frames == 0]:
-            ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < now + DRY_SOON_S]
+            soon = monotonic() + DRY_SOON_S
+            ready = firsts + [s for s in ready if s.dry_at is not None and s.dry_at < soon]
         ready = self._within_budget(ready)
         self.step_requests = [s.req for s in ready]
         return ready
