@@ -7,7 +7,8 @@ Width buckets are powers of two, capped at the widest block table. On CUDA the d
 (`layers.triton_attention`) reads only each row's own blocks, so a wider bucket costs only its block-table
 rows; the reference path (`layers.attention.paged_decode_attention`) gathers `width` blocks for every row,
 at most 2x the gather + SDPA work (and transient memory) of the batch's longest context. Pairs at the
-deploy config's `cuda_graph_capture_widths` are captured at start; any other pair on the first step that needs it, so only the pairs a workload reaches exist: at most
+deploy config's `cuda_graph_capture_widths` are captured at start; any other pair on the first step that
+needs it, so only the pairs a workload reaches exist: at most
 ceil(log2(max width)) + 1 per batch bucket (P prompt rows + F frames need widths up to
 ceil((P + F) / block_size)). A lazy capture pays one eager warm-up step plus the capture (0.2-0.4 s for
 the talker's frame step at full size on the H200, benchmarks/HISTORY.md), and `torch.cuda.graph` synchronizes
@@ -157,6 +158,12 @@ class CUDAGraphs:
         # NOTE: thread_local: the other stages keep running (and syncing) in their threads during a capture.
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
+        # NOTE: a graph's first launch uploads it to the device (torch instantiates, never uploads): launched
+        # once here, on the padding rows the warm-up ran, so no serving step pays that (a burst meets many new
+        # buckets at once)
+        with torch.cuda.stream(self.stream):
+            graph.replay()
+        torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[key] = (graph, out)
         logger.info("captured CUDA graph %s in %.3f s; reserved memory +%.1f MiB", key,
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
