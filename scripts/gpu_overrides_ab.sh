@@ -4,10 +4,12 @@
 # three rows, each opening with a burst of c requests), BENCH_K (3) x c requests a row, rows labelled with their
 # setting, into $OUT/results.json (+ results.md). Each server's rows get BENCH_VARIANT_S (45) s once it is up (a
 # cold machine's first server takes ~130 s to start, a warm one's ~65); a setting starts only with 75 s + that left.
-#   BENCH_AB='name|stage overrides JSON|deploy overrides JSON;...'  (either JSON may be empty)
-# Device call: carry [".whl"], command (e.g. the talker's prompt rows a step, shipped and 1024, twice):
-#   S='{"talker": {"max_num_batched_tokens": 1024}}' OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
-#   BENCH_AB="shipped||;1024|$S|;shipped||;1024|$S|" bash scripts/gpu_overrides_ab.sh
+#   BENCH_AB='name|stage overrides JSON|deploy overrides JSON|tree;...'  (either JSON may be empty; tree: a commit
+#   whose server this is, from bench-trees/py-SHA: scripts/bench_trees.sh SHA here first, carry "bench-trees")
+# Device call: carry [".whl"] (+ "bench-trees"), command (e.g. a tree before a change against the head, twice;
+# the talker's prompt rows a step: S='{"talker": {"max_num_batched_tokens": 1024}}', a row 1024|$S|):
+#   OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
+#   BENCH_AB="before|||<tree>;head||;before|||<tree>;head||" bash scripts/gpu_overrides_ab.sh
 # Small scale on the CPU (~1 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_AB_C=2,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
 #   BENCH_VARIANT_S=20 BENCH_AB='a||;b|{"talker": {"max_num_batched_tokens": 64}}|' \
@@ -20,9 +22,11 @@ DEFAULT_BUDGET=540
 IFS=';' read -ra ROWS <<< "${BENCH_AB:?BENCH_AB names the settings}"
 read_aloud_rows "${BENCH_AB_C:-64,64,64}" "${BENCH_K:-3}"
 export BENCH_VARIANT_S=${BENCH_VARIANT_S:-45}
+HEAD_PY=$PY
 for i in "${!ROWS[@]}"; do
-  IFS='|' read -r name stage deploy <<< "${ROWS[$i]}"
-  name=$(echo "$name" | xargs)
+  IFS='|' read -r name stage deploy tree <<< "${ROWS[$i]}"
+  name=$(echo "$name" | xargs) tree=$(echo "$tree" | xargs)
+  PY=${tree:+$PWD/bench-trees/py-$tree} PY=${PY:-$HEAD_PY}
   (($(left) > 75 + BENCH_VARIANT_S)) || { echo "'$name': no time left"; continue; }
   bench_variant "$name" "$OUT/server-$i-${name//[^a-zA-Z0-9]/-}.log" 0 \
     ${stage:+--stage-overrides "$stage"} ${deploy:+--deploy-overrides "$deploy"}
