@@ -26,7 +26,8 @@ HEAD_PY=$PY
 for i in "${!ROWS[@]}"; do
   IFS='|' read -r name stage deploy tree <<< "${ROWS[$i]}"
   name=$(echo "$name" | xargs) tree=$(echo "$tree" | xargs)
-  PY=${tree:+$PWD/bench-trees/py-$tree} PY=${PY:-$HEAD_PY}
+  PY=$HEAD_PY
+  [[ -n $tree ]] && PY=$PWD/bench-trees/py-$tree
   (($(left) > 75 + BENCH_VARIANT_S)) || { echo "'$name': no time left"; continue; }
   bench_variant "$name" "$OUT/server-$i-${name//[^a-zA-Z0-9]/-}.log" 0 \
     ${stage:+--stage-overrides "$stage"} ${deploy:+--deploy-overrides "$deploy"}

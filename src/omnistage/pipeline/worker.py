@@ -81,7 +81,7 @@ class StageWorker:
     def _traced(self) -> Iterator[None]:
         """With OMNISTAGE_STEP_TRACE=DIR, one JSON line per step that ran rows into DIR/<name>.jsonl: its start
         (perf_counter s, one clock for every stage of the process), wall ms, rows and new input rows (`tokens`:
-        prompt and decode tokens, talker prompt rows, codec frames); on CUDA also `allocator_totals`."""
+        prompt and decode tokens, talker prompt rows, codec frames); on CUDA also `cuda` (`allocator_totals`)."""
         out = os.environ.get("OMNISTAGE_STEP_TRACE")
         # NOTE: line-buffered: a killed server keeps every step it traced
         self._trace = open(os.path.join(out, f"{self.name}.jsonl"), "w", buffering=1) if out else None
