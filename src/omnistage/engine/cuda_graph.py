@@ -158,12 +158,6 @@ class CUDAGraphs:
         # NOTE: thread_local: the other stages keep running (and syncing) in their threads during a capture.
         with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             out = fn()
-        # NOTE: a graph's first launch uploads it to the device (torch instantiates, never uploads): launched
-        # once here, on the padding rows the warm-up ran, so no serving step pays that (a burst meets many new
-        # buckets at once)
-        with torch.cuda.stream(self.stream):
-            graph.replay()
-        torch.cuda.current_stream().wait_stream(self.stream)
         self.graphs[key] = (graph, out)
         logger.info("captured CUDA graph %s in %.3f s; reserved memory +%.1f MiB", key,
                     time.perf_counter() - start, (torch.cuda.memory_reserved() - reserved) / 2**20)
