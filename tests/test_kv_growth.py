@@ -109,24 +109,24 @@ def test_many_requests_end_whatever_their_lengths() -> None:
 
 
 def test_64_answers_on_an_80gb_cards_thinker_kv_run_together() -> None:
-    # 1 084 blocks of 16 (17 344 tokens), 64 prompts of 173 tokens, answers of 100: 17 472 tokens whole, 4 short.
-    # All grow each step until the last rows, a few swapped out then; the banker's check on their limits
-    # (prompt + max_tokens 2048) let one grow per step from the 64th token on: 184 steps
-    kv = growth(1084, 16)
+    # 895 blocks of 16 (14 320 tokens, an H100's with the thinker at batch 64), 64 prompts of 173 tokens, answers
+    # of 100: 18 432 tokens whole. All grow together until KV runs out, then the newest are swapped out and
+    # back; every step grows at least 3/4 of the rows, and all end well before two rounds of 32 (200 steps)
+    kv = growth(895, 16)
     rows = {f"r{i}": 173 for i in range(64)}
     assert all(kv.grant(s, n) for s, n in rows.items())
-    for step in range(1, 200):
+    for step in range(1, 300):
         kv.make_room({s: kv.blocks.blocks_needed(s, n + 1) for s, n in rows.items() if s not in kv.swapped})
         grown = [s for s in rows if s not in kv.swapped and kv.grant(s, rows[s] + 1)]
         for s in grown:
             rows[s] += 1
-        assert len(grown) >= min(60, len(rows)), (step, len(grown))
+        assert len(grown) >= 0.75 * len(rows), (step, len(grown))
         for s in [s for s, n in rows.items() if n == 273]:
             kv.release(s)
             del rows[s]
         if not rows:
             break
-    assert step <= 120 and 0 < kv.swaps <= 8 and len(kv.blocks.free) == 1084
+    assert step <= 160 and 0 < kv.swaps <= 20 and len(kv.blocks.free) == 895
 
 
 def test_a_request_sharing_prefix_blocks_comes_back_with_them_as_its_own() -> None:
