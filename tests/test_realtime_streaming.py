@@ -90,7 +90,9 @@ def finished(totals: dict) -> float:
 
 def assert_turn_phases(server, before: dict) -> None:
     """The turn's request (the one request that finished since `before`) reached turn_end (the VAD's
-    decision), close and closed (its closing piece sent) in that order, all before its first token."""
+    decision), and close then closed (its closing piece sent) before its first token. Close may precede
+    turn_end: a preempted response (`realtime_preemptive_response`) closes at the user's pause, and here the
+    VAD's decision follows the pause by less than its scoring takes."""
     from omnistage.bench.stage_stats import phase_means
     deadline = time.monotonic() + 5  # the metrics see the request just after response.done goes out
     while finished(phase_totals(server)) == finished(before):
@@ -100,7 +102,8 @@ def assert_turn_phases(server, before: dict) -> None:
     for phase in ("turn_end", "close", "closed", "first_token"):
         assert after[phase]["count"] - before.get(phase, {}).get("count", 0) == 1, phase
     means = phase_means(before, after)
-    assert means["thinker_start"] < means["turn_end"] <= means["close"] <= means["closed"] <= means["first_token"]
+    assert means["thinker_start"] < min(means["turn_end"], means["close"])
+    assert means["close"] <= means["closed"] <= means["first_token"]
 
 
 def test_streamed_16k_audio_is_the_committed_clips():
