@@ -112,5 +112,7 @@ class PacketSchedule:
     def next_chunk(self, emitted: int, initial: int, have: int, ended: bool) -> tuple[int, int]:
         """(frames, shape) of the chunk that goes now with `have` frames waiting (`ended`: no more come), else
         (0, 0)."""
+        if not have:
+            return 0, 0
         target = packet_frames(emitted, initial, self.cap, self.growth)
-        return (min(have, target), target) if have and (have >= target or ended) else (0, 0)
+        return (min(have, target), target) if have >= target or ended else (0, 0)

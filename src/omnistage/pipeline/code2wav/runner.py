@@ -36,16 +36,15 @@ Shape = tuple[int, bool]  # (frames, first)
 
 class Code2WavGraphRunner:
     def __init__(self, streamer: Code2WavStreamer, batch_sizes: Sequence[int], initials: Sequence[int],
-                 chunk_frames: int, growth: bool) -> None:
-        """Buckets `batch_sizes`; chunks as `packet_frames(emitted, initial, chunk_frames, growth)`, `initial`
-        one of `initials`. Captures CUDA graphs when the model is on a CUDA device."""
+                 packets: PacketSchedule) -> None:
+        """Buckets `batch_sizes`; first chunks of `initials` frames, later ones of `packets.later`. Captures CUDA
+        graphs when the model is on a CUDA device."""
         self.streamer, self.batch_sizes = streamer, sorted(batch_sizes)
         cfg, cache = streamer.model.config, streamer.cache
         dev = cache.pos.device
         self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
         # NOTE: ascending: `_shape` takes the first that holds a chunk.
-        later = PacketSchedule.of(initials, chunk_frames, growth).later
-        self.shapes = {True: sorted(set(initials)), False: list(later)}
+        self.shapes = {True: sorted(set(initials)), False: list(packets.later)}
         keys = [(n, first) for first, ns in self.shapes.items() for n in ns]
         rows = self.batch_sizes[-1]
         # NOTE: [rows, n, Q]: a row's frames are contiguous, so one index_copy_ loads a whole step.

@@ -39,13 +39,12 @@ class Code2WavStage(AsyncOutputStep):
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
-        self.schedule = (chunk_frames, chunk_growth)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
-        self.packets = PacketSchedule.of(self.initials, *self.schedule)
+        self.packets = PacketSchedule.of(self.initials, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(self.initials)), *self.schedule)
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(self.initials)), self.packets)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
         self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
