@@ -90,7 +90,7 @@ def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = froze
     raise AssertionError("the plan did not finish")
 
 
-def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: float = 1.0, initial: int = INITIAL,
+def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
           chunk: int = CHUNK, async_output: bool = False, budget: int = 4096, idle_initial: int = 0) -> Code2WavStage:
     return Code2WavStage(model(), max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
                          initial_chunk_frames=initial, chunk_frames=chunk, idle_initial_chunk_frames=idle_initial,
@@ -99,7 +99,7 @@ def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: float = 1.
 
 
 @functools.cache
-def eager(growth: float = 1.0) -> Run:
+def eager(growth: bool = True) -> Run:
     return drive(stage(False, growth=growth))
 
 

@@ -88,7 +88,7 @@ def add_and_abort(engine, n: int, make: Callable[[int], object], rng: random.Ran
         threading.Timer(rng.uniform(0, within), engine.abort, args=(req.request_id,)).start()
 
 
-def packet_sizes(frames: int, initial: int, cap: int, growth: float) -> list[int]:
+def packet_sizes(frames: int, initial: int, cap: int, growth: bool) -> list[int]:
     """Frames per audio packet of a stream of `frames` frames, as `packet_frames` schedules them (the last
     one may be shorter)."""
     sizes: list[int] = []

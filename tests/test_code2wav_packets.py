@@ -18,10 +18,6 @@ def test_packet_schedule() -> None:
     assert packet_sizes(79, 4, 25, False) == [4, 25, 25, 25] and packet_sizes(40, 2, 25, True)[-1] == 8
     assert later_packet_frames(2, 25, True) == [2, 4, 8, 16, 25] and later_packet_frames(4, 25, False) == [25]
     assert later_packet_frames(4, 3, True) == [3]
-    assert later_packet_frames(2, 25, 0.75) == [2, 3, 5, 9, 16, 25] and later_packet_frames(1, 25, 0.75)[0] == 1
-    assert packet_sizes(80, 2, 25, 0.75) == [2, 2, 3, 5, 9, 16, 25, 18]  # each 3/4 of the frames before, rounded
-    slow = later_packet_frames(1, 25, 0.1)  # 1 frame a packet until 15 went: the lengths still reach the cap
-    assert slow[:3] == [1, 2, 3] and slow[-1] == 25 and packet_sizes(30, 1, 25, 0.1)[:16] == [1] * 15 + [2]
 
 
 GROWING = {43: [2, 2, 4, 8, 16, 11], 40: [2, 2, 4, 8, 16, 8], 3: [2, 1], 1: [1]}  # frames -> packets
@@ -60,17 +56,6 @@ def test_growing_packets_are_exact() -> None:
     assert padded == {((16, False), 11), ((2, False), 1), ((2, True), 1)}
     assert list(GROWING.values()) == [packet_sizes(n, 2, 25, True) for n in GROWING]
     assert_exact(list(GROWING.values()), graphed, eager)
-
-
-def test_gentler_growth_is_exact() -> None:
-    """Growth 0.75 (each packet 3/4 of the audio before it): the runner holds its later lengths (2 3 5 9 16 25)
-    and its packets are exact, eager and through the runner."""
-    plan = {43: [2, 2, 3, 5, 9, 16, 6], 12: [2, 2, 3, 5], 5: [2, 2, 1]}
-    eager, graphed, padded = eager_and_runner([(0, n, None) for n in plan], {True: [2], False: [2, 3, 5, 9, 16, 25]},
-                                              initial=2, chunk=25, growth=0.75)
-    assert list(plan.values()) == [packet_sizes(n, 2, 25, 0.75) for n in plan]
-    assert padded == {((9, False), 6), ((2, False), 1)}
-    assert_exact(list(plan.values()), graphed, eager)
 
 
 def test_streams_the_talker_ran_alone_start_with_the_idle_initial_packet() -> None:

@@ -60,10 +60,8 @@ class StageConfig:
 class ConnectorConfig:
     """Talker -> code2wav: the first audio packet after `initial_codec_chunk_frames` frames, then packets
     of `connector.packet_frames(...)` frames (at most `codec_chunk_frames`).
-    `codec_chunk_growth`: each later packet this share of all the audio before it (rounded, at least a frame), up
-    to the cap: true / 1.0 as long as all of it (playback never starves where frames come at least twice real
-    time), 0.75 gentler (more, shorter packets; a burst's slower talker steps starve fewer streams), false / 0:
-    every later packet `codec_chunk_frames`.
+    `codec_chunk_growth`: each later packet as long as all the audio before it, up to the cap, so playback
+    never starves (False: every later packet `codec_chunk_frames`).
     `idle_initial_codec_chunk_frames`: the first packet's frames for a request that the talker runs alone
     (`FrameChunk.talker_alone`; 0: `initial_codec_chunk_frames`): 1 starts the audio a talker step sooner. Only
     where a frame (a talker step, then code2wav's) takes well under a 1-frame first packet's 57 ms of audio, as
@@ -73,7 +71,7 @@ class ConnectorConfig:
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
-    codec_chunk_growth: float = r.opt(1.0, r.share)
+    codec_chunk_growth: bool = r.opt(True, r.boolean)
 
 
 @dataclass(frozen=True)

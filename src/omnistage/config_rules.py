@@ -35,8 +35,6 @@ def is_memory(v: Any) -> bool:
 positive_int = rule(lambda v: is_int(v, 1), "must be a positive integer")
 non_negative_int = rule(lambda v: is_int(v, 0), "must be an integer >= 0")
 boolean = rule(lambda v: isinstance(v, bool), "must be true or false")
-share = rule(lambda v: isinstance(v, (int, float)) and 0 <= v <= 1, "must be true, false or a fraction in [0, 1]",
-             float)  # true: 1.0, false: 0.0
 mm_limits = rule(lambda v: isinstance(v, dict) and set(v) <= {"image", "video"} and all(
     isinstance(d, dict) and set(d) <= {"min_pixels", "max_pixels", "total_pixels"} and all(
         is_int(x, 1) for x in d.values()) for d in v.values()),

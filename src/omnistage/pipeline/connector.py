@@ -80,22 +80,20 @@ def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t
 
 
-def packet_frames(emitted: int, initial: int, cap: int, growth: float) -> int:
+def packet_frames(emitted: int, initial: int, cap: int, growth: bool) -> int:
     """Frames in a stream's next audio packet after `emitted` frames (see ConnectorConfig)."""
     if emitted == 0:
         return initial
-    return min(max(1, int(growth * emitted + 0.5)), cap) if growth else cap
+    return min(emitted, cap) if growth else cap
 
 
-def later_packet_frames(initial: int, cap: int, growth: float) -> list[int]:
-    """Ascending: every length `packet_frames` gives a packet after the first (initial 2, cap 25; growth 0: 25;
-    1.0: 2 4 8 16 25; 0.75: 2 3 5 9 16 25)."""
+def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:
+    """Ascending: every length `packet_frames` gives a packet after the first (2, 25, growth: 2 4 8 16 25)."""
     shapes, emitted = set(), initial
-    while True:  # lengths never shrink as `emitted` grows, and reach the cap
-        shapes.add(n := packet_frames(emitted, initial, cap, growth))
-        if n == cap:
-            return sorted(shapes)
+    while (n := packet_frames(emitted, initial, cap, growth)) not in shapes:
+        shapes.add(n)
         emitted += n
+    return sorted(shapes)
 
 
 @dataclass(frozen=True)
@@ -104,11 +102,11 @@ class PacketSchedule:
     rest, shorter, once they ended); `later`: the lengths of the code2wav graphs for later chunks."""
 
     cap: int
-    growth: float
+    growth: bool
     later: tuple[int, ...]  # every later packet length of the stream's first lengths, ascending
 
     @classmethod
-    def of(cls, initials: Sequence[int], cap: int, growth: float) -> PacketSchedule:
+    def of(cls, initials: Sequence[int], cap: int, growth: bool) -> PacketSchedule:
         return cls(cap, growth, tuple(sorted({n for i in initials for n in later_packet_frames(i, cap, growth)})))
 
     def next_chunk(self, emitted: int, initial: int, have: int, ended: bool) -> tuple[int, int]:

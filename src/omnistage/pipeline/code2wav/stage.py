@@ -28,7 +28,7 @@ class Code2WavStage(AsyncOutputStep):
     and a request ends (`part_done`) once its last chunk's samples are emitted."""
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
-                 initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: float = 1.0,
+                 initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
                  idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
