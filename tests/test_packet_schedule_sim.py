@@ -21,5 +21,3 @@ def test_a_slow_ramp_stalls_the_streams_that_start_in_it():
     assert stalled[2] >= 20 and stalled[4] < stalled[2] / 2, stalled
     first = {n: sum(r[3] for r in rs) / len(rs) for n, rs in runs.items()}
     assert first[4] > first[2] + 0.1, first  # two more frames at 100 ms steps before the first chunk
-    after = (0.6, 100.0, 1e-9)  # every stream starts after the ramp: steps of 25 ms, no stall
-    assert all(sim.stream(25.0, 0.02, 80, seed, 2, ramp=after)[0] == 0 for seed in range(20))
