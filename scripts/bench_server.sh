@@ -45,8 +45,9 @@ read_aloud_rows() {
 }
 
 # bench_variant NAME LOG SECONDS [serve flags]: a server with those flags, then `omnistage bench "${COMMON[@]}"` against
-# it for what is left of SECONDS (BENCH_VARIANT_S: that many seconds once up), its rows labelled NAME; then
-# the server stops
+# it for what is left of SECONDS (BENCH_VARIANT_S: that many seconds once up), then as long for each workload of
+# BENCH_VARIANT_WORKLOADS (e.g. "spoken-question spoken-question": media rows, no warm-up), its rows labelled NAME;
+# then the server stops
 bench_variant() {
   local name=$1 log=$2 end=$((SECONDS + $3))
   shift 3
@@ -55,6 +56,11 @@ bench_variant() {
   ((budget > 10)) || { echo "variant '$name': no time left"; stop_server; return 1; }
   echo "[$((SECONDS - T0)) s] variant '$name' (${budget} s)"
   "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$name"
+  local workload
+  for workload in ${BENCH_VARIANT_WORKLOADS:-}; do
+    "$PY" -m omnistage.cli bench "${COMMON[@]}" --workload "$workload" --warmup 0 --time-budget "$budget" \
+      --variant "$name"
+  done
   stop_server
 }
 

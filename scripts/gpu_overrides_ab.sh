@@ -10,6 +10,7 @@
 # the talker's prompt rows a step: S='{"talker": {"max_num_batched_tokens": 1024}}', a row 1024|$S|):
 #   OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
 #   BENCH_AB="before|||<tree>;head||;before|||<tree>;head||" bash scripts/gpu_overrides_ab.sh
+# Media rows too on each server (after its read-aloud rows): BENCH_VARIANT_WORKLOADS="spoken-question spoken-question".
 # Small scale on the CPU (~1 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_AB_C=2,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
 #   BENCH_VARIANT_S=20 BENCH_AB='a||;b|{"talker": {"max_num_batched_tokens": 64}}|' \
