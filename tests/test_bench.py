@@ -228,7 +228,7 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     assert "Where the time goes" in table and table.count(" | talker | ") == 5
     parts = table[table.index("TTFP's parts"):]
     assert "| variant | workload | P | c | " + " | ".join(chat_phases) + " |" in parts
-    assert len(re.findall(r"^\| (ablation-x)? \| read-aloud \| (10|160) \| [12] \|( \d+ \|){8}$", parts,
+    assert len(re.findall(r"^\| (ablation-x)? \| read-aloud \| (10|160) \| [12] \|( \d+ \|){9}$", parts,
                           re.M)) == 5
     ablation = r"^\| omnistage \| ablation-x \| read-aloud \| - \| 10 \| \d+ \| 2 \| 4 \|"
     assert len(re.findall(ablation, table, re.M)) == 1

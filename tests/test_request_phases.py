@@ -81,5 +81,5 @@ def test_server_metrics_count_each_phase(server) -> None:
     body |= {"modalities": ["text", "audio"], "audio": {"voice": "Ethan", "format": "wav"}, "max_audio_frames": 2}
     assert httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60).status_code == 200
     after = phase_counts(server.url)
-    served = ["prompt", *PHASES]  # the server's requests also mark their prompt (processed before the engine)
-    assert {p: after[p] - before.get(p, 0) for p in served} == {p: 2 if p in served[:4] else 1 for p in served}
+    served = ["prompt_start", "prompt", *PHASES]  # the server's requests: their prompt's processing, begun, done
+    assert {p: after[p] - before.get(p, 0) for p in served} == {p: 2 if p in served[:5] else 1 for p in served}

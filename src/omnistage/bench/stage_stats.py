@@ -13,8 +13,8 @@ _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]
 _PREEMPT = re.compile(r'^omnistage_realtime_preemptive_responses_total\{outcome="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
 # open request also reaches REALTIME_PHASES (between thinker_start and first_token)
-PHASES = ("prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token", "talker_start",
-          "first_frame", "code2wav_start", "first_audio")
+PHASES = ("prompt_start", "prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token",
+          "talker_start", "first_frame", "code2wav_start", "first_audio")
 REALTIME_PHASES = ("turn_end", "close", "closed")
 
 

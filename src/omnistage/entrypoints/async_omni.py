@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from omnistage.engine.request import Request
 from omnistage.entrypoints.outbox import Outbox
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.faults import EngineOverloaded
@@ -83,13 +84,18 @@ class AsyncOmni:
         queue, emit = self._channel(loop)
         self.admission.enter()
 
-        async def start() -> int:
-            received = time.perf_counter()
-            req = await loop.run_in_executor(None, lambda: self.engine.make_request(
+        def process() -> tuple[Request, float]:
+            began = time.perf_counter()
+            return self.engine.make_request(
                 request_id, messages, prompt_token_ids, want_audio=talker_sampling is not None, voice=voice,
                 sampling=sampling, talker_sampling=talker_sampling, emit=emit,
-                use_audio_in_video=use_audio_in_video, session=session))
+                use_audio_in_video=use_audio_in_video, session=session), began
+
+        async def start() -> int:
+            received = time.perf_counter()
+            req, began = await loop.run_in_executor(None, process)
             req.arrival = received  # NOTE: its phases count from here, the prompt's processing (media) first
+            req.phases["prompt_start"] = began - received  # a thread took it (a burst's prompts queue for one)
             req.mark("prompt")
             self.admission.add_tokens(len(req.prompt.input_ids))
             self.engine.add_request(req)
