@@ -70,7 +70,7 @@ class ConnectorConfig:
     `slow_start_codec_chunk_frames`: the first packet's frames for a stream whose first
     `initial_codec_chunk_frames` frames came slower than growth needs (25 a second, `code2wav.stage.SLOW_FRAME_S`;
     in a burst's ramp a stream's frames wait for the thinker's text rows): more audio before playback starts,
-    where it would run dry (0: off; needs an initial of 2 or more)."""
+    where it would run dry (off: 0, not above the initial, or an initial of 1)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)

@@ -42,7 +42,7 @@ class Code2WavStage(AsyncOutputStep):
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
-        self.slow_start = slow_start_chunk_frames if initial_chunk_frames > 1 else 0
+        self.slow_start = slow_start_chunk_frames if slow_start_chunk_frames > initial_chunk_frames > 1 else 0
         firsts = (*self.initials, self.slow_start) if self.slow_start else self.initials
         self.packets = PacketSchedule.of(firsts, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
