@@ -5,8 +5,8 @@ Growth (each packet as long as all the audio before it) needs frames at twice re
 A burst's ramp (`--ramp-s` > 0): for its first seconds the steps are `--ramp-step-ms` (a running stream's frame
 waits for the thinker's next text row, and the thinker's steps carry the burst's prompts), and `--ramp-share`
 of the streams make their first frame within it (uniformly), the rest after it. `--slow-start N`: a stream
-whose first `--initial` frames came slower than `SLOW_FRAME_S` each gets a first packet of N (as the stage's
-`connector.slow_start_codec_chunk_frames`). A model to predict with, not a
+whose first `--initial` frames came slowly gets a first packet of N (`connector.first_packet_frames`, as the
+stage's `connector.slow_start_codec_chunk_frames`). A model to predict with, not a
 measurement (benchmarks/HISTORY.md, thirty-third, thirty-fourth and thirty-sixth sections).
 
     python scripts/packet_schedule_sim.py [--step-ms 25,40,50] [--initial 2,4] [--frames 60] [--streams 200]
@@ -19,8 +19,7 @@ import argparse
 import itertools
 import random
 
-from omnistage.pipeline.code2wav.stage import SLOW_FRAME_S
-from omnistage.pipeline.connector import PacketSchedule
+from omnistage.pipeline.connector import PacketSchedule, first_packet_frames
 
 FRAME_S, FIRST_TRIM_S, LOOK_S = 0.08, 555 / 24000, 0.008
 
@@ -42,8 +41,8 @@ def stream(step_ms: float, latency_s: float, frames: int, seed: int, initial: in
     """(stalls, seconds waited, packets, seconds from the first step's start to the first chunk's arrival)."""
     rnd = random.Random(seed)
     arrived = arrivals(rnd, step_ms, frames, ramp)
-    if slow_start and initial > 1 and arrived[initial - 1] - arrived[0] > (initial - 1) * SLOW_FRAME_S:
-        initial = slow_start
+    if slow_start:
+        initial = first_packet_frames(initial, slow_start, arrived[initial - 1] - arrived[0])
     schedule = PacketSchedule.of([initial], cap, True)
     begin = arrived[0] - (arrived[1] - arrived[0] if frames > 1 else 0.0)
     now, emitted, play_end, stalls, waited, packets, first = begin, 0, None, 0, 0.0, 0, 0.0

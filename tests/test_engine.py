@@ -13,7 +13,7 @@ import torch
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from omnistage.pipeline.code2wav import stage as code2wav_stage
+from omnistage.pipeline import connector
 
 from graph_helpers import add_and_abort, packet_sizes, settle
 
@@ -68,7 +68,7 @@ def test_slow_start_paces_the_first_packet_by_the_talkers_frames(monkeypatch, sl
                                                                   ) -> None:
     """Slow start 4 (initial 2): the talker stamps each frame (`FrameChunk.made`) and code2wav gives the first
     packet 4 frames when the first two came more than `SLOW_FRAME_S` apart (0: always; 1e9 s: never)."""
-    monkeypatch.setattr(code2wav_stage, "SLOW_FRAME_S", slow_frame_s)
+    monkeypatch.setattr(connector, "SLOW_FRAME_S", slow_frame_s)
     o, deltas = omni(2, 25, slow_start=4), []
     req = o.engine.make_request("s", conv(2), None, want_audio=True, voice="Aiden", emit=deltas.append,
                                 **greedy(8, 33))

@@ -68,7 +68,7 @@ class ConnectorConfig:
     on a GPU: on the CPU's tiny checkpoint 22 of 24 such streams stalled (benchmarks/HISTORY.md, 31st section);
     the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
     `slow_start_codec_chunk_frames`: the first packet's frames for a stream whose first
-    `initial_codec_chunk_frames` frames came slower than growth needs (25 a second, `code2wav.stage.SLOW_FRAME_S`;
+    `initial_codec_chunk_frames` frames came slower than growth needs (25 a second, `connector.SLOW_FRAME_S`;
     in a burst's ramp a stream's frames wait for the thinker's text rows): more audio before playback starts,
     where it would run dry (off: 0, not above the initial, or an initial of 1)."""
 

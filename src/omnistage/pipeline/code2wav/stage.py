@@ -17,11 +17,10 @@ from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
 from omnistage.pipeline.code2wav.seq import Launched, WavSeq
-from omnistage.pipeline.connector import FrameChunk, Inbox, PacketSchedule, arrive
+from omnistage.pipeline.connector import FrameChunk, Inbox, PacketSchedule, arrive, first_packet_frames
 from omnistage.pipeline.faults import StepFaults
 
 DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
-SLOW_FRAME_S = 0.04  # growth needs a stream's frames at twice real time (0.08 s of audio each): 25 a second
 
 
 class Code2WavStage(AsyncOutputStep):
@@ -34,8 +33,8 @@ class Code2WavStage(AsyncOutputStep):
                  graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
         `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
-        `initial_chunk_frames`, or `slow_start_chunk_frames` (when not 0) where those came slower than
-        `SLOW_FRAME_S` each; at most `max_num_batched_tokens` frames a step (a step's first chunk goes whatever
+        `initial_chunk_frames`, or `slow_start_chunk_frames` (when not 0) where those came slowly
+        (`first_packet_frames`); at most `max_num_batched_tokens` frames a step (a step's first chunk goes whatever
         its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
@@ -103,16 +102,15 @@ class Code2WavStage(AsyncOutputStep):
             seq.done = True
             return
         seq.pending.append(arrive(chunk.frame, self.device))
-        if seq.state.frames == 0 and self.slow_start and seq.initial == self.initials[0]:
+        if self.slow_start and seq.state.frames == 0 and seq.initial == self.initials[0]:
             self._pace_first_packet(seq, chunk.made)
 
     def _pace_first_packet(self, seq: WavSeq, made: float) -> None:
-        """A stream's first packet grows to `slow_start` frames if its first `initial` came slower than
-        `SLOW_FRAME_S` each."""
+        """A stream's first packet: `slow_start` frames if its first `initial` came slowly."""
         if len(seq.pending) == 1:
             seq.first_made = made
-        elif len(seq.pending) == seq.initial and made - seq.first_made > (seq.initial - 1) * SLOW_FRAME_S:
-            seq.initial = self.slow_start
+        elif len(seq.pending) == seq.initial:
+            seq.initial = first_packet_frames(seq.initial, self.slow_start, made - seq.first_made)
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()
