@@ -3,14 +3,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import re
 import time
 
 import httpx
+import torch
 
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.engine.request import Request
+from omnistage.entrypoints.async_omni import AsyncOmni
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
 from omnistage.models.qwen3_omni.prompt import PromptInputs
@@ -67,6 +70,31 @@ def test_text_and_audio_reach_every_phase_in_order() -> None:
 def test_text_only_has_only_the_thinker_phases() -> None:
     phases = run(want_audio=False)[-1].phases
     assert list(phases) == PHASES[:3] and phases["thinker_start"] <= phases["first_token"]
+
+
+def test_prompts_are_processed_with_one_intra_op_thread(monkeypatch) -> None:
+    """At torch's default each of a burst's processing threads would run a team as large as the machine."""
+    torch.set_num_threads(2)  # NOTE: the default of threads yet to run a parallel op (conftest sets 1)
+    d = tiny_checkpoint("tiny")
+    engine = AsyncOmni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu"), device="cpu")
+    make, threads = engine.engine.make_request, []
+
+    def recorded(*args, **kwargs) -> Request:
+        threads.append(torch.get_num_threads())
+        return make(*args, **kwargs)
+
+    monkeypatch.setattr(engine.engine, "make_request", recorded)
+
+    async def main() -> list[OutputDelta]:
+        return [d async for d in engine.generate("t", [{"role": "user", "content": "Hi."}],
+                                                 SamplingParams(max_tokens=2), None, None)]
+
+    try:
+        deltas = asyncio.run(main())
+    finally:
+        engine.shutdown()
+        torch.set_num_threads(1)
+    assert deltas[-1].finished and threads == [1]
 
 
 def phase_counts(url: str) -> dict[str, int]:

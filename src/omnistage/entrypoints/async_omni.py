@@ -12,10 +12,12 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from omnistage.engine.request import Request
 from omnistage.entrypoints.outbox import Outbox
@@ -64,6 +66,11 @@ class AsyncOmni:
         deploy = self.engine.deploy
         self.admission = Admission(deploy.max_waiting_requests, deploy.max_waiting_tokens)
         self._outboxes: dict[asyncio.AbstractEventLoop, Outbox] = {}
+        # NOTE: one intra-op thread each: at torch's default every thread's feature extraction runs a team as large
+        # as the machine, a burst's threads then oversubscribing the cores. (set_num_threads also becomes the
+        # default of this process's threads that have yet to run a parallel op, as silero's import makes it.)
+        self.executor = ThreadPoolExecutor(thread_name_prefix="prompt", initializer=torch.set_num_threads,
+                                           initargs=(1,))
 
     def _channel(self, loop: asyncio.AbstractEventLoop) -> tuple[asyncio.Queue[OutputDelta], Any]:
         """A request's delta queue on `loop`, and the `emit` the engine's threads fill it with."""
@@ -93,7 +100,7 @@ class AsyncOmni:
 
         async def start() -> int:
             received = time.perf_counter()
-            req, began = await loop.run_in_executor(None, process)
+            req, began = await loop.run_in_executor(self.executor, process)
             req.arrival = received  # NOTE: its phases count from here, the prompt's processing (media) first
             req.phases["prompt_start"] = began - received  # a thread took it (a burst's prompts queue for one)
             req.mark("prompt")
@@ -135,7 +142,7 @@ class AsyncOmni:
         queue, emit = self._channel(loop)
         self.admission.enter()
         try:
-            stream = await loop.run_in_executor(None, lambda: self.engine.open_request(
+            stream = await loop.run_in_executor(self.executor, lambda: self.engine.open_request(
                 request_id, messages, want_audio=talker_sampling is not None, voice=voice, sampling=sampling,
                 talker_sampling=talker_sampling, emit=emit, session=session))
         except BaseException:
@@ -168,6 +175,7 @@ class AsyncOmni:
 
     def shutdown(self) -> None:
         self.engine.shutdown()
+        self.executor.shutdown(wait=False)
 
 
 class StreamingPrompt:
@@ -188,7 +196,7 @@ class StreamingPrompt:
 
     async def append_audio(self, pcm16k: np.ndarray) -> None:
         """16 kHz mono float samples (the feature extraction of a completed window runs off the loop)."""
-        await asyncio.get_running_loop().run_in_executor(None, self.stream.append_audio, pcm16k)
+        await asyncio.get_running_loop().run_in_executor(self.omni.executor, self.stream.append_audio, pcm16k)
 
     @property
     def prepared(self) -> bool:
@@ -201,7 +209,7 @@ class StreamingPrompt:
 
     async def prepare(self, audio: np.ndarray) -> None:
         """The clip if the turn ends now (`PromptStream.prepare`), off the loop."""
-        await asyncio.get_running_loop().run_in_executor(None, self.stream.prepare, audio)
+        await asyncio.get_running_loop().run_in_executor(self.omni.executor, self.stream.prepare, audio)
 
     async def close(self, audio: np.ndarray | None = None) -> AsyncIterator[OutputDelta]:
         """The audio is complete (`audio`: see `PromptStream.close`): the request's deltas. Raises
@@ -215,7 +223,7 @@ class StreamingPrompt:
         self.mark("close")
 
         async def start() -> int:
-            await loop.run_in_executor(None, self.stream.close, audio)
+            await loop.run_in_executor(self.omni.executor, self.stream.close, audio)
             self.mark("closed")
             n = len(self.stream.req.prompt.input_ids)
             self.omni.admission.add_tokens(n)
