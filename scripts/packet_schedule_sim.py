@@ -4,14 +4,11 @@ stage) says, a chunk reaches the listener `--latency-ms` after it goes; playback
 Growth (each packet as long as all the audio before it) needs frames at twice real time, 25 a second.
 A burst's ramp (`--ramp-s` > 0): for its first seconds the steps are `--ramp-step-ms` (a running stream's frame
 waits for the thinker's next text row, and the thinker's steps carry the burst's prompts), and `--ramp-share`
-of the streams make their first frame within it (uniformly), the rest after it. `--slow-start N`: a stream
-whose first `--initial` frames came slowly gets a first packet of N (`connector.first_packet_frames`, as the
-stage's `connector.slow_start_codec_chunk_frames`). A model to predict with, not a
+of the streams make their first frame within it (uniformly), the rest after it. A model to predict with, not a
 measurement (benchmarks/HISTORY.md, thirty-third, thirty-fourth and thirty-sixth sections).
 
     python scripts/packet_schedule_sim.py [--step-ms 25,40,50] [--initial 2,4] [--frames 60] [--streams 200]
-    python scripts/packet_schedule_sim.py --step-ms 25 --ramp-s 0.6 --ramp-step-ms 100 --ramp-share 0.25 \
-        [--slow-start 4]"""
+    python scripts/packet_schedule_sim.py --step-ms 25 --ramp-s 0.6 --ramp-step-ms 100 --ramp-share 0.25"""
 
 from __future__ import annotations
 
@@ -19,7 +16,7 @@ import argparse
 import itertools
 import random
 
-from omnistage.pipeline.connector import PacketSchedule, first_packet_frames
+from omnistage.pipeline.connector import PacketSchedule
 
 FRAME_S, FIRST_TRIM_S, LOOK_S = 0.08, 555 / 24000, 0.008
 
@@ -37,13 +34,10 @@ def arrivals(rnd: random.Random, step_ms: float, frames: int, ramp: tuple[float,
 
 
 def stream(step_ms: float, latency_s: float, frames: int, seed: int, initial: int = 2, cap: int = 25,
-           ramp: tuple[float, float, float] = (0.0, 0.0, 1.0), slow_start: int = 0) -> tuple[int, float, int, float]:
+           ramp: tuple[float, float, float] = (0.0, 0.0, 1.0)) -> tuple[int, float, int, float]:
     """(stalls, seconds waited, packets, seconds from the first step's start to the first chunk's arrival)."""
-    rnd = random.Random(seed)
+    rnd, schedule = random.Random(seed), PacketSchedule.of([initial], cap, True)
     arrived = arrivals(rnd, step_ms, frames, ramp)
-    if slow_start:
-        initial = first_packet_frames(initial, slow_start, arrived[initial - 1] - arrived[0])
-    schedule = PacketSchedule.of([initial], cap, True)
     begin = arrived[0] - (arrived[1] - arrived[0] if frames > 1 else 0.0)
     now, emitted, play_end, stalls, waited, packets, first = begin, 0, None, 0, 0.0, 0, 0.0
     while emitted < frames:
@@ -71,12 +65,10 @@ def main() -> None:
     ap.add_argument("--ramp-s", type=float, default=0.0)
     ap.add_argument("--ramp-step-ms", type=float, default=100.0)
     ap.add_argument("--ramp-share", type=float, default=0.25)
-    ap.add_argument("--slow-start", type=int, default=0)
     args = ap.parse_args()
     ramp = (args.ramp_s, args.ramp_step_ms, args.ramp_share)
     for initial, step in itertools.product(map(int, args.initial.split(",")), map(float, args.step_ms.split(","))):
-        runs = [stream(step, args.latency_ms / 1e3, args.frames, s, initial, ramp=ramp, slow_start=args.slow_start)
-                for s in range(args.streams)]
+        runs = [stream(step, args.latency_ms / 1e3, args.frames, s, initial, ramp=ramp) for s in range(args.streams)]
         print(f"initial {initial}, steps {step:4.0f} ms: {sum(r[0] > 0 for r in runs)} of {len(runs)} stalled, "
               f"{1e3 * sum(r[1] for r in runs) / len(runs):5.0f} ms waited a stream, "
               f"{sum(r[2] for r in runs) / len(runs):4.1f} packets, "

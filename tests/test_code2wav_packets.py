@@ -23,16 +23,15 @@ def test_packet_schedule() -> None:
 GROWING = {43: [2, 2, 4, 8, 16, 11], 40: [2, 2, 4, 8, 16, 8], 3: [2, 1], 1: [1]}  # frames -> packets
 
 
-def eager_and_runner(plan: list, shapes: dict, alone: frozenset[int] = frozenset(), gaps: dict | None = None,
-                     **kw) -> tuple[Run, Run, set]:
+def eager_and_runner(plan: list, shapes: dict, alone: frozenset[int] = frozenset(), **kw) -> tuple[Run, Run, set]:
     """The plan through the eager stage and through the runner (emulated graphs, which must have `shapes`):
     both runs and the runner's padded chunks {(shape, frames)}."""
-    eager = drive(stage(False, (1, 2, 4), **kw), plan, alone, gaps)
+    eager = drive(stage(False, (1, 2, 4), **kw), plan, alone)
     st = stage(True, (1, 2, 4), **kw)
     st.runner.graphs = EmulatedGraphs()
     assert st.runner.shapes == shapes
     with spy(st.runner) as steps:
-        graphed = drive(st, plan, alone, gaps)
+        graphed = drive(st, plan, alone)
     return eager, graphed, {(shape, n) for _, _, shape, lens in steps for n in lens if n < shape[0]}
 
 
@@ -68,19 +67,5 @@ def test_streams_the_talker_ran_alone_start_with_the_idle_initial_packet() -> No
                                               idle_initial=1)
     packets = [packet_sizes(n, 1 if i in alone else 2, 25, True) for i, n in enumerate(GROWING)]
     assert packets == [[1, 1, 2, 4, 8, 16, 11], [2, 2, 4, 8, 16, 8], [1, 1, 1], [1]]
-    assert padded == {((16, False), 11)}
-    assert_exact(packets, graphed, eager)
-
-
-def test_a_stream_whose_first_frames_come_slowly_starts_with_the_slow_start_packet() -> None:
-    """Slow start 4 beside initial 2 (idle 1): streams whose first two frames came more than `SLOW_FRAME_S`
-    apart get 4, 4, 8, ...; those at 25 a second or faster, and those the talker ran alone, keep theirs; the
-    runner holds the first shape 4 too, exact as above."""
-    gaps = {0: 0.1, 1: 0.02, 2: 0.1}  # by request: seconds between its frames (`FrameChunk.made`)
-    shapes = {True: [1, 2, 4], False: [1, 2, 4, 8, 16, 25]}
-    eager, graphed, padded = eager_and_runner([(0, n, None) for n in GROWING], shapes, frozenset({2}), gaps,
-                                              initial=2, chunk=25, idle_initial=1, slow_start=4)
-    packets = [[4, 4, 8, 16, 11], [2, 2, 4, 8, 16, 8], [1, 1, 1], [1]]
-    assert packets[0] == packet_sizes(43, 4, 25, True)
     assert padded == {((16, False), 11)}
     assert_exact(packets, graphed, eager)

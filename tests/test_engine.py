@@ -13,7 +13,6 @@ import torch
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import ChatResult, Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
-from omnistage.pipeline import connector
 
 from graph_helpers import add_and_abort, packet_sizes, settle
 
@@ -21,12 +20,10 @@ PROMPTS = ["Say hello.", "Tell me about the sea and the sky.", "Why?", "One, two
 
 
 @functools.cache
-def omni(initial: int = 4, chunk: int = 25, replicas: int = 1, growth: bool = True, idle: int = 0,
-         slow_start: int = 0) -> Omni:
+def omni(initial: int = 4, chunk: int = 25, replicas: int = 1, growth: bool = True, idle: int = 0) -> Omni:
     d = tiny_checkpoint("tiny")
     overrides = {"connector": {"initial_codec_chunk_frames": initial, "codec_chunk_frames": chunk,
-                               "codec_chunk_growth": growth, "idle_initial_codec_chunk_frames": idle,
-                               "slow_start_codec_chunk_frames": slow_start},
+                               "codec_chunk_growth": growth, "idle_initial_codec_chunk_frames": idle},
                  "stages": {"talker": {"replicas": replicas}, "code2wav": {"replicas": replicas}}}
     return Omni(d, deploy=load_deploy_config(default_deploy_config(d), platform="cpu", overrides=overrides),
                 device="cpu")
@@ -61,21 +58,6 @@ def test_stream_chunks_are_sample_exact(initial: int, chunk: int, growth: bool, 
     streamed = np.concatenate([d.audio for d in chunks])
     assert streamed.shape == whole.shape == (33 * 1920 - 555,)
     assert float(np.abs(streamed - whole).max()) < 1e-5
-
-
-@pytest.mark.parametrize("slow_frame_s,first", [(0.0, 4), (1e9, 2)])
-def test_slow_start_paces_the_first_packet_by_the_talkers_frames(monkeypatch, slow_frame_s: float, first: int
-                                                                  ) -> None:
-    """Slow start 4 (initial 2): the talker stamps each frame (`FrameChunk.made`) and code2wav gives the first
-    packet 4 frames when the first two came more than `SLOW_FRAME_S` apart (0: always; 1e9 s: never)."""
-    monkeypatch.setattr(connector, "SLOW_FRAME_S", slow_frame_s)
-    o, deltas = omni(2, 25, slow_start=4), []
-    req = o.engine.make_request("s", conv(2), None, want_audio=True, voice="Aiden", emit=deltas.append,
-                                **greedy(8, 33))
-    o.engine.add_request(req)
-    o.engine.wait(["s"])
-    frames = [d.codes.shape[1] for d in deltas if d.audio is not None]
-    assert frames == packet_sizes(33, first, 25, True)  # 4, 4, 8, 16, 1 or 2, 2, 4, 8, 16, 1
 
 
 def test_talker_waits_for_a_slow_thinker() -> None:

@@ -66,15 +66,10 @@ class ConnectorConfig:
     (`FrameChunk.talker_alone`; 0: `initial_codec_chunk_frames`): 1 starts the audio a talker step sooner. Only
     where a frame (a talker step, then code2wav's) takes well under a 1-frame first packet's 57 ms of audio, as
     on a GPU: on the CPU's tiny checkpoint 22 of 24 such streams stalled (benchmarks/HISTORY.md, 31st section);
-    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
-    `slow_start_codec_chunk_frames`: the first packet's frames for a stream whose first
-    `initial_codec_chunk_frames` frames came slower than growth needs (25 a second, `connector.SLOW_FRAME_S`;
-    in a burst's ramp a stream's frames wait for the thinker's text rows): more audio before playback starts,
-    where it would run dry (off: 0, not above the initial, or an initial of 1)."""
+    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
-    slow_start_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
     codec_chunk_growth: bool = r.opt(True, r.boolean)
 

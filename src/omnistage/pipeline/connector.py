@@ -13,7 +13,6 @@ import torch
 
 from omnistage.engine.request import Request
 
-SLOW_FRAME_S = 0.04  # growth needs a stream's frames at twice real time (0.08 s of audio each): 25 a second
 T = TypeVar("T")
 
 
@@ -39,14 +38,12 @@ class TextChunk:
 @dataclass
 class FrameChunk:
     """One codec frame [G] for code2wav, or the end of the frames (`finished`). `talker_alone` (a request's
-    first frame): the talker ran no other request, and had none waiting, when it made it; `made`: when
-    (`time.monotonic`)."""
+    first frame): the talker ran no other request, and had none waiting, when it made it."""
 
     request: Request
     frame: torch.Tensor | None = None
     finished: bool = False
     talker_alone: bool = False
-    made: float = 0.0
 
 
 class Inbox(Generic[T]):
@@ -88,12 +85,6 @@ def packet_frames(emitted: int, initial: int, cap: int, growth: bool) -> int:
     if emitted == 0:
         return initial
     return min(emitted, cap) if growth else cap
-
-
-def first_packet_frames(initial: int, slow_start: int, span_s: float) -> int:
-    """A stream's first packet, its first `initial` frames made over `span_s` (see ConnectorConfig's slow start):
-    `slow_start` (when not 0) where they came slower than `SLOW_FRAME_S` each."""
-    return slow_start if slow_start and span_s > (initial - 1) * SLOW_FRAME_S else initial
 
 
 def later_packet_frames(initial: int, cap: int, growth: bool) -> list[int]:

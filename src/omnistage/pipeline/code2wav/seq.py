@@ -16,7 +16,6 @@ class WavSeq:
     req: Request
     state: StreamState
     initial: int  # its first packet's frames
-    first_made: float = 0.0  # when the talker made its first frame
     pending: list[torch.Tensor] = field(default_factory=list)  # frames [G] not launched yet
     done: bool = False  # the talker sent its last frame
     in_flight: int = 0  # chunks launched whose samples are not emitted yet

@@ -17,7 +17,7 @@ from omnistage.outputs import SAMPLE_RATE, OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.code2wav.runner import Code2WavGraphRunner
 from omnistage.pipeline.code2wav.seq import Launched, WavSeq
-from omnistage.pipeline.connector import FrameChunk, Inbox, PacketSchedule, arrive, first_packet_frames
+from omnistage.pipeline.connector import FrameChunk, Inbox, PacketSchedule, arrive
 from omnistage.pipeline.faults import StepFaults
 
 DRY_SOON_S = 0.15  # a later chunk goes with first chunks if its stream runs dry sooner (a few steps under load)
@@ -29,25 +29,22 @@ class Code2WavStage(AsyncOutputStep):
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
                  initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
-                 idle_initial_chunk_frames: int = 0, slow_start_chunk_frames: int = 0, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
+                 idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
+                 async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
         `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
-        `initial_chunk_frames`, or `slow_start_chunk_frames` (when not 0) where those came slowly
-        (`first_packet_frames`); at most `max_num_batched_tokens` frames a step (a step's first chunk goes whatever
-        its length).
+        `initial_chunk_frames`; at most `max_num_batched_tokens` frames a step (a step's first chunk goes
+        whatever its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
-        self.slow_start = slow_start_chunk_frames if slow_start_chunk_frames > initial_chunk_frames > 1 else 0
-        firsts = (*self.initials, self.slow_start) if self.slow_start else self.initials
-        self.packets = PacketSchedule.of(firsts, chunk_frames, chunk_growth)
+        self.packets = PacketSchedule.of(self.initials, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(firsts)), self.packets)
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(self.initials)), self.packets)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
         self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
@@ -100,17 +97,8 @@ class Code2WavStage(AsyncOutputStep):
     def _take(self, seq: WavSeq, chunk: FrameChunk) -> None:
         if chunk.finished:
             seq.done = True
-            return
-        seq.pending.append(arrive(chunk.frame, self.device))
-        if self.slow_start and seq.state.frames == 0 and seq.initial == self.initials[0]:
-            self._pace_first_packet(seq, chunk.made)
-
-    def _pace_first_packet(self, seq: WavSeq, made: float) -> None:
-        """A stream's first packet: `slow_start` frames if its first `initial` came slowly."""
-        if len(seq.pending) == 1:
-            seq.first_made = made
-        elif len(seq.pending) == seq.initial:
-            seq.initial = first_packet_frames(seq.initial, self.slow_start, made - seq.first_made)
+        else:
+            seq.pending.append(arrive(chunk.frame, self.device))
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()
