@@ -53,6 +53,12 @@ def test_the_same_prompt_as_in_process(pool: ProcessorPool, pipe: bool) -> None:
         pool.pipe = shared
 
 
+def test_workers_share_the_intra_op_threads(pool: ProcessorPool) -> None:
+    """At torch's default each worker would run a team as large as the machine."""
+    threads = {pool._pool.submit(torch.get_num_threads).result() for _ in range(8)}
+    assert threads == {max(1, torch.get_num_threads() // 2)}
+
+
 def test_bfloat16_patches_through_the_pipe() -> None:
     half = ProcessorPool(tiny_checkpoint("tiny"), None, None, torch.bfloat16, 1)
     try:

@@ -15,6 +15,8 @@ through one worker with float32 patches (~4 ms the round trip, ~10 ms its 13.8 M
 ones (the GPU's case), a photo's 5-7 ms 9-15 ms. On the H200 at c = 64 with 8 workers a video's `prompt` phase
 took 666 ms against 740 in threads, a photo's 452 against 59 (photos queue for the workers, and in threads their
 Pillow and numpy work releases the GIL): the orchestrator sends only prompts with a video here (off by default).
+Those workers ran torch's default intra-op team each (as many threads as cores, spinning between ops); they share the
+cores now: on the 2-core CPU 64 spoken prompts at once through 2 workers took 2.1-3.8 s that way, 0.40-0.52 s so.
 """
 
 from __future__ import annotations
@@ -41,8 +43,9 @@ _processor: PromptProcessor | None = None  # a worker's own
 SHARED_MEMORY_NEEDED = 1 << 30  # /dev/shm free for the prompts in flight (c = 64 videos: ~0.3 GB)
 
 
-def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype) -> None:
+def _start(model_dir: str, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype, threads: int) -> None:
     global _processor
+    torch.set_num_threads(threads)
     _processor = PromptProcessor(model_dir, policy, limits, dtype)
 
 
@@ -87,8 +90,10 @@ class ProcessorPool:
 
     def __init__(self, model_dir: str | Path, policy: MediaPolicy | None, limits: dict | None, dtype: torch.dtype,
                  workers: int) -> None:
-        """`PromptProcessor(model_dir, policy, limits, dtype)` in each of `workers` processes."""
-        self.workers, self._args = workers, (str(model_dir), policy, limits, dtype)
+        """`PromptProcessor(model_dir, policy, limits, dtype)` in each of `workers` processes, this process's
+        intra-op threads shared between them."""
+        threads = max(1, torch.get_num_threads() // workers)
+        self.workers, self._args = workers, (str(model_dir), policy, limits, dtype, threads)
         self.pipe = shared_memory_bytes() < SHARED_MEMORY_NEEDED
         self._lock = threading.Lock()
         self._pool = self._new_pool()
