@@ -110,6 +110,6 @@ def test_the_engine_processes_chat_prompts_in_workers() -> None:
         for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], photo):
             omni.engine.make_request("t", messages, None, want_audio=False, voice=None, sampling={"max_tokens": 2},
                                      talker_sampling={}, emit=lambda d: None)
-        assert calls == [1]  # only the video's goes there: text and photos stay in the process
+        assert calls == [1, 1]  # the video's and the photo's go there; text stays in the process
     finally:
         omni.engine.shutdown()

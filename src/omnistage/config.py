@@ -109,7 +109,7 @@ class DeployConfig:
     `mm_processor_kwargs`: pixel limits of images and video frames ({"image" / "video": {"min_pixels",
     "max_pixels", "total_pixels"}}; requests' own knobs apply within them): by default an image is at most
     1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844).
-    `mm_processor_workers`: chat requests' prompts with a video (decoding, features, patches) are processed in that
+    `mm_processor_workers`: chat requests' prompts with media (decoding, features, patches) are processed in that
     many worker processes (pipeline/processor_pool.py); 0 (default): in the engine client's threads."""
 
     stages: Stages = r.sub(Stages)

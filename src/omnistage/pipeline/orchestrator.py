@@ -1,8 +1,8 @@
 """Moves requests through the stages (built by `placement.build_stages`, each driven by its own worker
 thread, by `placement.process.build_process_stages`, each in a worker process, or by
 `placement.ray.build_ray_stages`, each in a Ray actor), routes them over replicas (the thinker's: data-parallel
-pipelines; `routing.StageRouting`), fails a request that fails in a stage (only it), fails a dead replica process's requests (only
-them) while it is started again, and fails every request loudly if a stage dies for good."""
+pipelines; `routing.StageRouting`), fails a request that fails in a stage (only it), fails a dead replica process's
+requests (only them) while it is started again, and fails every request loudly if a stage dies for good."""
 
 from __future__ import annotations
 
@@ -106,11 +106,12 @@ class Orchestrator:
                        session=session)
 
     def _process(self, messages: list[dict], use_audio_in_video: bool) -> PromptInputs:
-        """Through the worker processes when there are any and the messages carry a video; the rest stays here:
-        text's template costs less than the way there and back, and photos' processing overlaps in this
-        process's threads (on the H200 at c = 64 through 8 workers a photo's `prompt` phase took 452 ms against 59
-        here, a video's 666 against 740: benchmarks/HISTORY.md)."""
-        process = self.process if media_count(messages, ("video",)) else self.processor
+        """Through the worker processes when there are any and the messages carry media; text stays here, its
+        template costing less than the way there and back. 64 prompts at once on a 16-core host, 8 workers of 2
+        intra-op threads against 20 threads of 1 here (`scripts/prompt_burst.py`, benchmarks/HISTORY.md 37th):
+        mean completion spoken 83-92 ms against 180-183, photo 115-136 against 159-162, 4 s video 450-454
+        against 893-911."""
+        process = self.process if media_count(messages) else self.processor
         return process(messages, use_audio_in_video)
 
     def open_request(self, request_id: str, messages: list[dict], *, want_audio: bool, voice: str | None,

@@ -14,9 +14,10 @@ The way there and back costs each request time: on the 2-core CPU a 4 s video's 
 through one worker with float32 patches (~4 ms the round trip, ~10 ms its 13.8 MB of tensors), 37 ms with bfloat16
 ones (the GPU's case), a photo's 5-7 ms 9-15 ms. On the H200 at c = 64 with 8 workers a video's `prompt` phase
 took 666 ms against 740 in threads, a photo's 452 against 59 (photos queue for the workers, and in threads their
-Pillow and numpy work releases the GIL): the orchestrator sends only prompts with a video here (off by default).
-Those workers ran torch's default intra-op team each (as many threads as cores, spinning between ops); they share the
-cores now: on the 2-core CPU 64 spoken prompts at once through 2 workers took 2.1-3.8 s that way, 0.40-0.52 s so.
+Pillow and numpy work releases the GIL). Those workers ran torch's default intra-op team each (as many threads as
+cores, spinning between ops); they share the cores now: on the 2-core CPU 64 spoken prompts at once through 2 workers
+took 2.1-3.8 s that way, 0.40-0.52 s so, and on a 16-core host 8 workers take every kind of media's burst faster than
+the threads (`Orchestrator._process`, which sends them every prompt with media; off by default).
 """
 
 from __future__ import annotations
