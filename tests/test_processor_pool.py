@@ -105,11 +105,13 @@ def test_the_engine_processes_chat_prompts_in_workers() -> None:
         assert_same(req.prompt, omni.engine.processor(MESSAGES))
         calls, pool = [], omni.engine.process
         omni.engine.process = lambda *a: calls.append(1) or pool(*a)
-        photo = [{"role": "user", "content": [MESSAGES[1]["content"][1], MESSAGES[1]["content"][3]]}]
-        assert [p["type"] for p in photo[0]["content"]] == ["image_url", "text"]
-        for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], photo):
+        photo, spoken = ([{"role": "user", "content": [MESSAGES[1]["content"][i], MESSAGES[1]["content"][3]]}]
+                         for i in (1, 0))
+        assert [p["type"] for p in photo[0]["content"] + spoken[0]["content"]] == [
+            "image_url", "text", "input_audio", "text"]
+        for messages in (MESSAGES, [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}], photo, spoken):
             omni.engine.make_request("t", messages, None, want_audio=False, voice=None, sampling={"max_tokens": 2},
                                      talker_sampling={}, emit=lambda d: None)
-        assert calls == [1, 1]  # the video's and the photo's go there; text stays in the process
+        assert calls == [1, 1, 1]  # the video's, the photo's and the clip's go there; text stays in the process
     finally:
         omni.engine.shutdown()
