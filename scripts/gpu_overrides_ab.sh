@@ -4,8 +4,9 @@
 # three rows, each opening with a burst of c requests), BENCH_K (3) x c requests a row, rows labelled with their
 # setting, into $OUT/results.json (+ results.md). Each server's rows get BENCH_VARIANT_S (45) s once it is up (a
 # cold machine's first server takes ~130 s to start, a warm one's ~65); a setting starts only with 75 s + that left.
-#   BENCH_AB='name|stage overrides JSON|deploy overrides JSON|tree;...'  (either JSON may be empty; tree: a commit
-#   whose server this is, from bench-trees/py-SHA: scripts/bench_trees.sh SHA here first, carry "bench-trees")
+#   BENCH_AB='name|stage overrides JSON|deploy overrides JSON|tree|env;...'  (either JSON may be empty; tree: a commit
+#   whose server this is, from bench-trees/py-SHA: scripts/bench_trees.sh SHA here first, carry "bench-trees"; env:
+#   variables for that server's processes, e.g. OMP_NUM_THREADS=1)
 # Device call: carry [".whl"] (+ "bench-trees"), command (e.g. a tree before a change against the head, twice;
 # the talker's prompt rows a step: S='{"talker": {"max_num_batched_tokens": 1024}}', a row 1024|$S|):
 #   OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
@@ -25,10 +26,14 @@ read_aloud_rows "${BENCH_AB_C:-64,64,64}" "${BENCH_K:-3}"
 export BENCH_VARIANT_S=${BENCH_VARIANT_S:-45}
 HEAD_PY=$PY
 for i in "${!ROWS[@]}"; do
-  IFS='|' read -r name stage deploy tree <<< "${ROWS[$i]}"
+  IFS='|' read -r name stage deploy tree env <<< "${ROWS[$i]}"
   name=$(echo "$name" | xargs) tree=$(echo "$tree" | xargs)
   PY=$HEAD_PY
   [[ -n $tree ]] && PY=$PWD/bench-trees/py-$tree
+  if [[ -n ${env// /} ]]; then  # NOTE: a wrapper, as "$PY" is one word wherever it is run
+    printf '#!/bin/sh\nexec env %s %s "$@"\n' "$env" "$PY" > "/tmp/omnistage-py-$i"
+    chmod +x "/tmp/omnistage-py-$i" && PY=/tmp/omnistage-py-$i
+  fi
   (($(left) > 75 + BENCH_VARIANT_S)) || { echo "'$name': no time left"; continue; }
   bench_variant "$name" "$OUT/server-$i-${name//[^a-zA-Z0-9]/-}.log" 0 \
     ${stage:+--stage-overrides "$stage"} ${deploy:+--deploy-overrides "$deploy"}
