@@ -22,13 +22,9 @@ import torch
 from bench_model_dir import write_model_dir
 
 from omnistage.bench.media_workload import MEDIA_WORKLOADS, build_media_requests
+from omnistage.bench.workload import ApproxTokens
 from omnistage.models.qwen3_omni.prompt import PromptProcessor
 from omnistage.pipeline.processor_pool import ProcessorPool
-
-
-class _Words:
-    def count(self, text: str) -> int:
-        return len(text.split())
 
 
 def burst(processor: PromptProcessor | ProcessorPool, requests: list, threads: int, intra_op: int
@@ -49,6 +45,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--workers", type=int, default=0, help="also through a pool of this many processes")
     args = p.parse_args()
+    counter = ApproxTokens()
     with tempfile.TemporaryDirectory() as d:
         model = write_model_dir(Path(d) / "model")
         processor = PromptProcessor(model)
@@ -56,14 +53,14 @@ def main() -> None:
         print(f"{os.cpu_count()} cores, torch {torch.get_num_threads()} intra-op threads, {args.threads} pool "
               f"threads, {args.requests} {args.workload} prompts a burst")
         if pool:  # NOTE: the workers' start and first uses, before the clock
-            burst(pool, build_media_requests(args.workload, 4 * args.workers, 0, _Words()), args.threads, 1)
+            burst(pool, build_media_requests(args.workload, 4 * args.workers, 0, counter), args.threads, 1)
         seed, default = 0, torch.get_num_threads()
         settings = [(f"intra-op {default}", processor, default), ("intra-op 1", processor, 1)]
         settings += [(f"{args.workers} processes", pool, 1)] if pool else []
         for _ in range(args.repeats):
             for name, process, intra_op in settings:
                 seed += 1  # NOTE: new bytes each burst (the feature cache would answer a repeat)
-                requests = build_media_requests(args.workload, args.requests, seed, _Words())
+                requests = build_media_requests(args.workload, args.requests, seed, counter)
                 wall, mean = burst(process, requests, args.threads, intra_op)
                 print(f"{name}: burst {wall * 1e3:.0f} ms, mean completion {mean * 1e3:.0f} ms")
         if pool:

@@ -111,7 +111,7 @@ class Orchestrator:
         intra-op threads against 20 threads of 1 here (`scripts/prompt_burst.py`, benchmarks/HISTORY.md 37th):
         mean completion spoken 83-92 ms against 180-183, photo 115-136 against 159-162, 4 s video 450-454
         against 893-911. (Each worker has its own feature cache: a conversation's earlier clips, sent again with each
-        turn, are featurised again, ~3 ms a 5 s clip on the 2-core CPU, unless the worker that made them takes it.)"""
+        turn, are featurised again, ~3 ms a 2-15 s clip on the 2-core CPU, unless the worker that made them has it.)"""
         process = self.process if media_count(messages) else self.processor
         return process(messages, use_audio_in_video)
 
