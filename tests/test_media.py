@@ -136,9 +136,9 @@ def test_the_warm_up_message_takes_every_media_path(caplog):
     assert items.images[0].size == (640, 480) and items.audios[0].size == 64000 and np.abs(items.audios[0]).max() > 0.05  # 24 kHz resampled
     processor = PromptProcessor(tiny_checkpoint("tiny"))
     with caplog.at_level("INFO", logger="omnistage.media.warm"):
-        warm_media(processor)
+        assert warm_media(processor)
     assert "media path warmed" in caplog.text and "failed" not in caplog.text
     caplog.clear()
     with caplog.at_level("INFO", logger="omnistage.media.warm"):
-        warm_media(lambda *a, **k: 1 / 0)  # a failing warm-up is logged, serving goes on
+        assert not warm_media(lambda *a, **k: 1 / 0)  # a failing warm-up is logged, serving goes on
     assert "warm-up failed" in caplog.text

@@ -110,7 +110,8 @@ class DeployConfig:
     "max_pixels", "total_pixels"}}; requests' own knobs apply within them): by default an image is at most
     1280 x 32 x 32 pixels (<= 1280 tokens: a 4032 x 3024 photo 1 230 tokens, not 11 844).
     `mm_processor_workers`: chat requests' prompts with media (decoding, features, patches) are processed in that
-    many worker processes (pipeline/processor_pool.py); 0 (default): in the engine client's threads."""
+    many worker processes (pipeline/processor_pool.py; the default files' CUDA entry: 8); 0 (the built-in default):
+    in the engine client's threads."""
 
     stages: Stages = r.sub(Stages)
     connector: ConnectorConfig = r.sub(ConnectorConfig)

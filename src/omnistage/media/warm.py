@@ -78,13 +78,14 @@ def warm_message() -> dict[str, Any]:
     return {"role": "user", "content": [*parts, {"type": "text", "text": "What is this?"}]}
 
 
-def warm_media(process: Callable[..., Any]) -> None:
+def warm_media(process: Callable[..., Any]) -> bool:
     """`process` (a prompt processor: messages, use_audio_in_video) over `warm_message` once; a failure is logged,
-    not raised (the first media request then pays the first uses)."""
+    not raised (the first media request then pays the first uses): whether it ran."""
     start = time.perf_counter()
     try:
         process([warm_message()], use_audio_in_video=True)
     except Exception:  # noqa: BLE001 - a warm-up: serving goes on
         logger.warning("the media warm-up failed; the first media request pays the first uses", exc_info=True)
-        return
+        return False
     logger.info("media path warmed in %.2f s", time.perf_counter() - start)
+    return True
