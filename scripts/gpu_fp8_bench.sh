@@ -12,10 +12,7 @@ DEFAULT_BUDGET=560
 read -ra STEPS <<< "${BENCH_FP8_STEPS:-tests logits fp8 fp8-all bf16}"
 has() { [[ " ${STEPS[*]} " == *" $1 "* ]]; }
 TESTS=${BENCH_TESTS:-tests/test_fp8_kernels.py tests/test_fp8_weights.py tests/test_fp8_accuracy.py}
-if has tests; then
-  timeout "${BENCH_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $TESTS > "$OUT/pytest.log" 2>&1
-  echo "[$((SECONDS - T0)) s] tests rc=$?: $(tail -1 "$OUT/pytest.log")"
-fi
+has tests && run_tests $TESTS
 if has logits; then
   for q in ${BENCH_LOGITS:-fp8 fp8-all}; do
     timeout 150 "$PY" scripts/fp8_logits.py "$MODEL" --quantization $q --json "$OUT/logits-$q.json" > "$OUT/logits-$q.log" 2>&1

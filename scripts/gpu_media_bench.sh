@@ -16,11 +16,12 @@
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_CONCURRENCY=1,2 BENCH_NUM_PROMPTS=2 BENCH_K=1 BENCH_MAX_TOKENS=4 \
 #   BENCH_MAX_FRAMES=6 BENCH_WARMUP=1 BENCH_PYTHON=/work/main/.venv/bin/python OUT=/tmp/mmbench scripts/gpu_media_bench.sh
 # Other knobs: BENCH_WORKLOADS (the media workloads, space-separated), BENCH_SEED, BENCH_PORT, BENCH_STAGE_OVERRIDES,
-# BENCH_DEPLOY_OVERRIDES (e.g. '{"mm_processor_workers": 8}').
+# BENCH_DEPLOY_OVERRIDES (e.g. '{"mm_processor_workers": 0}'), BENCH_TESTS (GPU tests first, into $OUT/pytest.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=540
 . scripts/bench_start.sh
+run_tests ${BENCH_TESTS:-}  # GPU tests first, where named
 "$PY" -c "import av" 2>/dev/null || echo "no PyAV (av): the video rows will fail; carry its wheel (gpu_bench.sh prepare)"
 start_main_server || exit 1  # no server: spend no more device time
 

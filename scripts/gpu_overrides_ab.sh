@@ -12,6 +12,7 @@
 #   OMNISTAGE_COMMIT=<sha> BENCH_STEP_TRACE=1 BENCH_AB_C=64,64 \
 #   BENCH_AB="before|||<tree>;head||;before|||<tree>;head||" bash scripts/gpu_overrides_ab.sh
 # Media rows too on each server (after its read-aloud rows): BENCH_VARIANT_WORKLOADS="spoken-question spoken-question".
+# BENCH_TESTS: GPU tests run first (in the bench's environment, into $OUT/pytest.log).
 # Small scale on the CPU (~1 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_AB_C=2,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
 #   BENCH_VARIANT_S=20 BENCH_AB='a||;b|{"talker": {"max_num_batched_tokens": 64}}|' \
@@ -20,6 +21,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=540
 . scripts/bench_start.sh
+run_tests ${BENCH_TESTS:-}  # GPU tests first, where named
 
 IFS=';' read -ra ROWS <<< "${BENCH_AB:?BENCH_AB names the settings}"
 read_aloud_rows "${BENCH_AB_C:-64,64,64}" "${BENCH_K:-3}"

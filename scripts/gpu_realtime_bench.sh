@@ -19,10 +19,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=500
 . scripts/bench_start.sh
-if [[ -n ${BENCH_TESTS:-} ]]; then
-  timeout "${BENCH_TESTS_S:-200}" "$PY" -m pytest -q -p no:cacheprovider $BENCH_TESTS > "$OUT/pytest.log" 2>&1
-  echo "[$((SECONDS - T0)) s] tests rc=$?: $(tail -1 "$OUT/pytest.log")"
-fi
+run_tests ${BENCH_TESTS:-}
 start_main_server || exit 1  # no server: spend no more device time
 read -ra ROWS <<< "${BENCH_RT_ROWS:-2s stagger 20s chat}"
 has() { [[ " ${ROWS[*]} " == *" $1 "* ]]; }
