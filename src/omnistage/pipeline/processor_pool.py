@@ -18,7 +18,7 @@ Pillow and numpy work releases the GIL). Those workers ran torch's default intra
 cores, spinning between ops); they share the cores now: on the 2-core CPU 64 spoken prompts at once through 2 workers
 took 2.1-3.8 s that way, 0.40-0.52 s so, and on a 16-core host 8 workers take every kind of media's burst faster than
 the threads (`Orchestrator._process`, which sends them every prompt with media). Served on an H100 at c = 64 (8 against
-0, `93d549e`): the `prompt` phase spoken 49 against 82-102 ms, video 196 against 419-472, photo alike; TTFP -6 to -10 %.
+0, `93d549e`): the `prompt` phase spoken 49 against 82-102 ms, video 196 against 419-472, photo alike; TTFP -5 to -11 %.
 Each worker warms its media paths as it starts (`_start`), before its first request.
 """
 
