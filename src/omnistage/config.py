@@ -43,6 +43,7 @@ class StageConfig:
     dtype: str = r.opt("bfloat16", r.dtype)
     stream_priority: int = r.opt(0, r.priority)  # CUDA stream priority of the stage's worker
     quantization: str | None = r.opt(None, r.quantization)  # "fp8" / "fp8-all": quantised at load (thinker, talker)
+    encoder_stream: bool = r.opt(False, r.boolean)  # thinker: its encoders on a CUDA stream of their own (arrivals.py)
     sampling: dict = field(default_factory=dict, metadata={"check": r.mapping})
 
     @property

@@ -54,6 +54,16 @@ def fit_runs(items: Sequence[T], fits: Callable[[list[T]], bool]) -> list[list[i
     return out
 
 
+def copy_in(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`dst.copy_(src)` without the host waiting: a host `src` through page-locked memory. From pageable memory CUDA
+    stages the copy and "may synchronize with the stream": small copies are staged at once (layers/context.to_device),
+    one of megabytes (a run's patches) is suspected of waiting for the work queued before it (benchmarks/HISTORY.md,
+    thirty-eighth section: the encoders' stream)."""
+    if dst.is_cuda and src.device.type == "cpu" and not src.is_pinned():
+        src = src.pin_memory()  # NOTE: torch keeps the block until the copy ran (an event on the stream)
+    dst.copy_(src, non_blocking=True)
+
+
 def width_bucket(need: int, max_width: int, minimum: int = 1) -> int:
     """KV blocks a decode graph gathers per row: the next power of two >= `need` and >= `minimum` (the
     narrowest width captured at start, so short contexts replay it rather than capture their own), at

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, fit_runs
+from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, copy_in, fit_runs
 from omnistage.models.qwen3_omni.audio_encoder import audio_layout, conv_rows, encode_rows
 from omnistage.models.qwen3_omni.rope_index import audio_token_count
 
@@ -74,8 +74,7 @@ class AudioGraphRunner:
         if chunks:
             padded = nn.utils.rnn.pad_sequence(features.T.split(chunks), batch_first=True)  # [C, frames, mels]
             padded = F.pad(padded, (0, 0, 0, self.chunk - padded.shape[1])).transpose(1, 2)
-            # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
-            self.chunks[:len(chunks), 0].copy_(padded, non_blocking=True)
+            copy_in(self.chunks[:len(chunks), 0], padded)
         self.chunks[len(chunks):b].zero_()
         live = len(valid)
         self.index[:b * rows].copy_(torch.tensor(valid + [0] * (b * rows - live)), non_blocking=True)

@@ -22,6 +22,7 @@ from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
+from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
@@ -42,7 +43,7 @@ class ThinkerStage(AsyncOutputStep):
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
-                 encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0) -> None:
+                 encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0, encoder_stream: bool = False) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
@@ -50,7 +51,7 @@ class ThinkerStage(AsyncOutputStep):
         videos through `VisionGraphRunner`, audio through `AudioGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
-        again for the accept-layer rows kept beside cached prefix blocks."""
+        again for the accept-layer rows kept beside cached prefix blocks. `encoder_stream`: see `arrivals`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -82,6 +83,7 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
+        self.arrivals = Arrivals(self.device, encoder_stream)
         self.scheduler = ThinkerScheduler(KvGrowth(self.blocks, cache, "thinker"), self.penalties, max_batch_size,
                                           max_num_batched_tokens, self.graph_tokens,
                                           self.prefill.max_context if self.prefill else 0)
@@ -108,13 +110,14 @@ class ThinkerStage(AsyncOutputStep):
 
     @property
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.arrivals)
 
     def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
         """`media`: `prompt`'s encoder rows when they were encoded with others; else encoded here."""
         prompt = req.prompt if prompt is None else prompt  # NOTE: read once: a far copy's is renewed on another thread
-        media = media or encode_media(self.thinker, [prompt], self.device, self.dtype, self.encoder_cache,
-                                      self.vision, self.audio)[0]
+        if media is None:
+            with self.arrivals.encoding_now():
+                media = self._encode_one(prompt)
         seq = new_seq(self.thinker, req, prompt, media, self.tokenizer, self.rope)
         req.mark("encoded")
         seq.open = req.growing
@@ -135,21 +138,41 @@ class ThinkerStage(AsyncOutputStep):
             if piece.closed and self.prefix_caching:  # the whole prompt's blocks are registered at its first token
                 seq.block_hashes = prompt_hashes(seq, piece.request.prompt.media_keys, self.blocks.block_size)
 
+    def _encode_one(self, prompt: PromptInputs) -> Media:
+        return encode_media(self.thinker, [prompt], self.device, self.dtype, self.encoder_cache, self.vision,
+                            self.audio)[0]
+
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
-        """What arrived admitted (its media through the encoders, all requests' at once), then the scheduler's
-        (seq, new tokens) for this step."""
-        items = self.inbox.drain()
-        reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
-        prompts = [r.prompt for r in reqs]
-        media = encode_together(self.thinker, prompts, self.device, self.dtype, self.encoder_cache, self.vision,
-                                self.audio)
-        for i, req in enumerate(reqs):
-            if (seq := self.faults.run(req, self._admit, req, prompts[i], media and media[i])) is not None:
-                self.waiting.append(seq)
-        pieces = [p for p in items if isinstance(p, PromptPiece) and not p.request.aborted]
-        for piece, rows in zip(pieces, piece_rows(self.thinker, pieces, self.device, self.dtype, self.audio)):
-            self.faults.run(piece.request, self._grow, piece, rows)
+        """What arrived through the encoders (`_encode`), what finished there admitted (`_arrive`), then the
+        scheduler's (seq, new tokens) for this step."""
+        if items := self.inbox.drain():
+            self.arrivals.add(self._encode(items))
+        for arrival in self.arrivals.ready(wait=not (self.waiting or self.running)):
+            self._arrive(arrival)
         return self.scheduler.schedule()
+
+    def _encode(self, items: list[Request | PromptPiece]) -> Arrival:
+        """The encoders launched for what arrived: all requests' media at once (each alone if that fails, so
+        that only the one at fault fails), the pieces' audio."""
+        reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
+        pieces = [p for p in items if isinstance(p, PromptPiece) and not p.request.aborted]
+        prompts = [r.prompt for r in reqs]  # NOTE: read once: a far copy's is renewed on another thread
+        with self.arrivals.encoding():
+            media = encode_together(self.thinker, prompts, self.device, self.dtype, self.encoder_cache, self.vision,
+                                    self.audio)
+            media = media or [self.faults.run(r, self._encode_one, p) for r, p in zip(reqs, prompts)]
+            rows = piece_rows(self.thinker, pieces, self.device, self.dtype, self.audio)
+        return Arrival(reqs, prompts, media, pieces, rows)
+
+    def _arrive(self, arrival: Arrival) -> None:
+        """Its requests admitted, then its pieces applied."""
+        for req, prompt, media in zip(arrival.reqs, arrival.prompts, arrival.media):
+            if media is not None and not req.aborted and \
+                    (seq := self.faults.run(req, self._admit, req, prompt, media)) is not None:
+                self.waiting.append(seq)
+        for piece, rows in zip(arrival.pieces, arrival.rows):
+            if not piece.request.aborted:
+                self.faults.run(piece.request, self._grow, piece, rows)
 
     def _tokens(self, batch: list[tuple[ThinkerSeq, int]]) -> int:
         return sum(n for _, n in batch)

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, fit_runs
+from omnistage.engine.cuda_graph import CUDAGraphs, batch_bucket, copy_in, fit_runs
 from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.vision_encoder import vision_blocks, vision_layout
 
@@ -75,12 +75,12 @@ class VisionGraphRunner:
     def _load(self, b: int, pixels: Sequence[torch.Tensor], grids: list[list[int]]) -> None:
         rows = 0
         for x in pixels:  # NOTE: each item straight into the buffer (no joined copy on the host first)
-            self.pixels[rows:rows + x.shape[0]].copy_(x, non_blocking=True)
+            copy_in(self.pixels[rows:rows + x.shape[0]], x)
             rows += x.shape[0]
         frames: list[int] = []
         if grids:
             pos, index, weight, frames = vision_layout(self.visual, grids)
-            # NOTE: non_blocking from pageable memory is safe (staged before return) and skips a stream sync.
+            # NOTE: non_blocking from pageable memory: small copies are staged at once (layers/context.to_device)
             for buf, x in ((self.pos, pos), (self.index, index), (self.weight, weight)):
                 buf[:rows].copy_(x, non_blocking=True)
         for buf in (self.pixels, self.pos, self.index, self.weight):
