@@ -1,5 +1,5 @@
-"""The thinker's inputs. At admission (`encode_together`, `new_seq`): the encoders, each kind of media of all newly admitted
-requests in one encoder call (audio tower; vision encoder for images, then for videos, as transformers
+"""The thinker's inputs. At admission (`encode_together`, `new_seq`): the encoders, each kind of media of all newly
+admitted requests in one encoder call (audio tower; vision encoder for images, then for videos, as transformers
 encodes them), the prompt embeddings with encoder rows scattered in, DeepStack rows and 3-D positions.
 Per step (`step_deepstack`): the DeepStack rows that fall in the step's prefill chunks."""
 

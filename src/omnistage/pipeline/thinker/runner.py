@@ -20,7 +20,7 @@ import torch
 from omnistage.engine.cuda_graph import CUDAGraphs, StaticDecodeContext, batch_bucket, width_bucket
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.context import forward_context, to_device
-from omnistage.layers.sampling import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, sampling_columns, sample
+from omnistage.layers.sampling import FLOAT_FIELDS, INT_FIELDS, SamplingTensors, sample, sampling_columns
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 
 _FLOATS = tuple(f for f, _ in FLOAT_FIELDS)
