@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 
 from omnistage.engine.request import Request
-from omnistage.models.qwen3_omni.encoders import VisualEmbeds
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.pipeline.thinker.growth import PromptPiece
 from omnistage.pipeline.thinker.inputs import Media
@@ -42,6 +41,8 @@ class Arrival:
 
 
 class Arrivals:
+    """The arrivals whose encoders were launched, in order, and the encoders' stream (None: the thinker's)."""
+
     def __init__(self, device: torch.device, encoder_stream: bool) -> None:
         self.stream = torch.cuda.Stream(device) if encoder_stream and device.type == "cuda" else None
         self.queue: deque[Arrival] = deque()
@@ -94,9 +95,9 @@ def _used_on_current_stream(arrival: Arrival, done: torch.cuda.Event) -> None:
 
 
 def _media_tensors(media: Media) -> list[torch.Tensor]:
-    audio, *visual = media
+    audio, image, video = media
     out = [audio] if audio is not None else []
-    for v in visual:
-        if isinstance(v, VisualEmbeds):
+    for v in (image, video):
+        if v is not None:
             out += [v.embeds, *v.deepstack]
     return out

@@ -113,7 +113,7 @@ class ThinkerStage(AsyncOutputStep):
         return len(self.waiting) + len(self.running) + len(self.arrivals)
 
     def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
-        """`media`: `prompt`'s encoder rows when they were encoded with others; else encoded here."""
+        """`media`: `prompt`'s encoder rows (`_encode`); None: encoded here (a prompt started over, `_grow`)."""
         prompt = req.prompt if prompt is None else prompt  # NOTE: read once: a far copy's is renewed on another thread
         if media is None:
             with self.arrivals.encoding_now():
