@@ -53,6 +53,9 @@ class Inbox(Generic[T]):
         self._items: deque[T] = deque()
         self.wake = wake
 
+    def __len__(self) -> int:
+        return len(self._items)
+
     def put(self, item: T) -> None:
         self._items.append(item)
         if self.wake is not None:

@@ -1,15 +1,17 @@
 """What arrives at the thinker, encoded before it is admitted (`Arrivals`).
 
-The requests and prompt pieces of one inbox drain are one `Arrival`: their media go through the encoders (all
-requests' at once, `encode_together`) and their prompt pieces' audio too, then the requests are admitted and the
-pieces applied, in that order. With the stage key `encoder_stream` (CUDA) the encoders run on a CUDA stream of
-their own: a step launches an arrival's encoders there and goes on, and the arrival is admitted at the first
-step after they finished (at once, waiting, when the thinker has nothing else to run). Without it a burst's
-encoders run inside one thinker step: on an H100 at c = 64, photos or 4 s videos arriving together made steps of
-390-480 ms in which no running stream got a token (benchmarks/HISTORY.md, thirty-eighth section).
-The encoders' graphs (their static buffers) are used on that stream in order (a prompt started over is encoded on
-the thinker's stream, ordered between that stream's work); the thinker's stream waits for an arrival's event before
-it reads the rows, whose memory is then marked as used there.
+What a step takes from the inbox's queue is one `Arrival`: its requests' media go through the encoders (all at once,
+`encode_together`) and its prompt pieces' audio too, then the requests are admitted and the pieces applied, in that
+order. A step takes everything queued, or with the stage key `max_num_encoder_input_tokens` (vLLM's name) items in
+order while their media tokens fit it (`take_within`), the rest left for the next steps: the encoders are GPU time
+(a run of 4 photos 25-27 ms on an H100, `scripts/vision_run_cost.py`), and without a budget a burst's photos or
+videos made thinker steps of 300-590 ms in which no running stream got a token (benchmarks/HISTORY.md, thirty-eighth
+and thirty-ninth sections).
+With the stage key `encoder_stream` (CUDA) the encoders run on a CUDA stream of their own: a step launches an
+arrival's encoders there and goes on, and the arrival is admitted at the first step after they finished (at once,
+waiting, when the thinker has nothing else to run). The encoders' graphs (their static buffers) are used on that
+stream in order (a prompt started over is encoded on the thinker's stream, ordered between that stream's work); the
+thinker's stream waits for an arrival's event before it reads the rows, whose memory is then marked as used there.
 """
 
 from __future__ import annotations
@@ -38,6 +40,23 @@ class Arrival:
     pieces: list[PromptPiece]
     rows: list[torch.Tensor | None] = field(default_factory=list)
     done: torch.cuda.Event | None = None
+
+
+def media_tokens(item: Request | PromptPiece, mm_ids: frozenset[int]) -> int:
+    """The encoder rows `item` brings: its prompt's (a piece's) audio, image and video placeholder tokens."""
+    ids = item.input_ids if isinstance(item, PromptPiece) else item.prompt.input_ids
+    return sum(1 for t in ids if t in mm_ids)
+
+
+def take_within(queue: deque[tuple[Request | PromptPiece, int]], budget: int) -> list[Request | PromptPiece]:
+    """Items from the front of `queue` (item, media tokens), in order, while their media tokens fit `budget`
+    together (the first always goes; 0: no budget, all of them)."""
+    out, spent = [], 0
+    while queue and (not out or budget == 0 or spent + queue[0][1] <= budget):
+        item, tokens = queue.popleft()
+        out.append(item)
+        spent += tokens
+    return out
 
 
 class Arrivals:

@@ -3,6 +3,7 @@ asynchronous output (the host handles step N's tokens while step N+1 runs on the
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,7 +23,7 @@ from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
-from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals
+from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals, media_tokens, take_within
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
@@ -43,7 +44,8 @@ class ThinkerStage(AsyncOutputStep):
                  *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192, num_blocks: int = 1024,
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
-                 encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0, encoder_stream: bool = False) -> None:
+                 encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0, encoder_stream: bool = False,
+                 max_encoder_tokens: int = 0) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
@@ -51,7 +53,8 @@ class ThinkerStage(AsyncOutputStep):
         videos through `VisionGraphRunner`, audio through `AudioGraphRunner`.
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
-        again for the accept-layer rows kept beside cached prefix blocks. `encoder_stream`: see `arrivals`."""
+        again for the accept-layer rows kept beside cached prefix blocks. `encoder_stream`, `max_encoder_tokens`
+        (media tokens a step encodes; 0: all that arrived): see `arrivals`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -83,6 +86,9 @@ class ThinkerStage(AsyncOutputStep):
         self.eos_ids = {config.im_end_token_id}
         self.rope = RopeSpec.from_config(config)
         self.inbox: Inbox[Request | PromptPiece] = Inbox()
+        self.queued: deque[tuple[Request | PromptPiece, int]] = deque()  # drained, not yet taken (`take_within`)
+        self.max_encoder_tokens = max_encoder_tokens
+        self.mm_ids = frozenset((thinker.audio_token_id, thinker.image_token_id, thinker.video_token_id))
         self.arrivals = Arrivals(self.device, encoder_stream)
         self.scheduler = ThinkerScheduler(KvGrowth(self.blocks, cache, "thinker"), self.penalties, max_batch_size,
                                           max_num_batched_tokens, self.graph_tokens,
@@ -110,7 +116,11 @@ class ThinkerStage(AsyncOutputStep):
 
     @property
     def num_active(self) -> int:
-        return len(self.waiting) + len(self.running) + len(self.arrivals)
+        queued = sum(isinstance(item, Request) for item, _ in self.queued)
+        return len(self.waiting) + len(self.running) + len(self.arrivals) + queued
+
+    def step(self) -> bool:
+        return super().step() or bool(self.queued)  # NOTE: media left for the next step: no idle wait
 
     def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
         """`media`: `prompt`'s encoder rows (`_encode`); None: encoded here (a prompt started over, `_grow`)."""
@@ -143,10 +153,11 @@ class ThinkerStage(AsyncOutputStep):
                             self.audio)[0]
 
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
-        """What arrived through the encoders (`_encode`), what finished there admitted (`_arrive`), then the
-        scheduler's (seq, new tokens) for this step."""
-        if items := self.inbox.drain():
-            self.arrivals.add(self._encode(items))
+        """What arrived (within the media budget) through the encoders (`_encode`), what finished there admitted
+        (`_arrive`), then the scheduler's (seq, new tokens) for this step."""
+        self.queued.extend((item, media_tokens(item, self.mm_ids)) for item in self.inbox.drain())
+        if self.queued:
+            self.arrivals.add(self._encode(take_within(self.queued, self.max_encoder_tokens)))
         for arrival in self.arrivals.ready(wait=not (self.waiting or self.running)):
             self._arrive(arrival)
         return self.scheduler.schedule()
