@@ -70,3 +70,23 @@ def test_prompts_past_the_step_budget_wait() -> None:
     launched(c, 3)
     prefills, decodes = sched.schedule()
     assert names(prefills) == ["d"] and names(decodes) == ["a", "b", "c"]
+
+
+def test_a_lookahead_keeps_room_for_the_running_streams_next_frames() -> None:
+    """With `lookahead` 3 an admission leaves room for each running stream's next row and 3 frames after it (up to
+    its last frame), so that no stream is swapped out (its audio paused) for a newcomer."""
+    admitted = {}
+    for lookahead, last_frame in ((0, 100), (3, 100), (3, 3)):
+        kv = KvGrowth(BlockManager(8, 1), torch.zeros(2, 1, 8, 1, 1, 1))
+        sched = TalkerScheduler(kv, PenaltyTable(4, 8, "cpu", counts=False), max_batch_size=4, lookahead=lookahead)
+        a, b = seq("a", 2), seq("b", 3)
+        a.req.talker_sampling.max_frames = last_frame
+        sched.add(a)
+        sched.schedule()
+        launched(a, 2)  # 2 blocks held, 6 free; its next row takes 1
+        sched.add(b)
+        prefills, decodes = sched.schedule()
+        assert names(decodes) == ["a"]
+        admitted[lookahead, last_frame] = names(prefills) == ["b"]
+    # b's 3 blocks + a's next 1 fit in 6; + a's 3 frames after it do not; a with 1 frame left after its next: fit
+    assert admitted == {(0, 100): True, (3, 100): False, (3, 3): True}

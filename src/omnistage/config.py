@@ -45,6 +45,7 @@ class StageConfig:
     quantization: str | None = r.opt(None, r.quantization)  # "fp8" / "fp8-all": quantised at load (thinker, talker)
     encoder_stream: bool = r.opt(False, r.boolean)  # thinker: its encoders on a CUDA stream of their own (arrivals.py)
     max_num_encoder_input_tokens: int = r.opt(0, r.non_negative_int)  # thinker: media tokens encoded a step (0: all)
+    kv_lookahead: int = r.opt(0, r.non_negative_int)  # talker: frames of KV each running stream keeps at admissions
     sampling: dict = field(default_factory=dict, metadata={"check": r.mapping})
 
     @property

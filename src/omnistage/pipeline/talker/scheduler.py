@@ -2,7 +2,9 @@
 
 Room first for the running requests' next rows (engine/kv_growth.py: the newest swapped out while KV blocks run
 out), then waiting requests in arrival order (their cached prefix taken first) while none is swapped out and
-blocks are left beyond that room (their prompt's blocks and a penalty row taken at once), then each running
+blocks are left beyond that room (their prompt's blocks and a penalty row taken at once); with `lookahead` the room
+is each running request's next `lookahead` frames (a swapped-out stream's audio pauses: a late first frame for
+the newcomer instead, as SGLang reserves for its running requests' decode tokens), then each running
 request's prompt rows, or its next frame once its text row is there (a row refused a block waits a step), within
 `max_num_batched_tokens` rows a step (a step's first prompt goes whatever its length); `release` gives them back."""
 
@@ -23,9 +25,9 @@ Text = tuple[torch.Tensor | None, bool]  # a frame's text row input (`TalkerSeq.
 
 class TalkerScheduler:
     def __init__(self, kv: KvGrowth, penalties: PenaltyTable, max_batch_size: int,
-                 max_num_batched_tokens: int = 8192) -> None:
+                 max_num_batched_tokens: int = 8192, lookahead: int = 0) -> None:
         self.kv, self.blocks, self.penalties, self.max_batch_size = kv, kv.blocks, penalties, max_batch_size
-        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_batched_tokens, self.lookahead = max_num_batched_tokens, lookahead
         self.seqs: dict[str, TalkerSeq] = {}  # admitted (running once it has a penalty row), in arrival order
         self.waiting: deque[TalkerSeq] = deque()
 
@@ -39,6 +41,8 @@ class TalkerScheduler:
         running = [s for s in self.seqs.values() if s.slot >= 0]
         reserve = self.kv.make_room({s.req.request_id: self._next_blocks(s) for s in running
                                      if s.req.request_id not in swapped})
+        if self.lookahead and self.waiting and not swapped:
+            reserve += sum(self._blocks_ahead(s) for s in running)
         while self.waiting and not swapped:
             seq = self.waiting[0]
             take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
@@ -70,6 +74,14 @@ class TalkerScheduler:
         if seq is not None and seq.slot >= 0:
             self.penalties.release(seq.slot)
         self.kv.release(request_id)
+
+    def _blocks_ahead(self, seq: TalkerSeq) -> int:
+        """The blocks its `lookahead` frames after the next take (none past its last frame)."""
+        left = seq.req.talker_sampling.max_frames - seq.frames - 1
+        if not seq.prefilled or left <= 0:
+            return 0
+        rid, rows = seq.req.request_id, seq.num_computed + 1
+        return self.blocks.blocks_needed(rid, rows + min(self.lookahead, left)) - self.blocks.blocks_needed(rid, rows)
 
     def _next_blocks(self, seq: TalkerSeq) -> int:
         """The blocks its next row takes (its prompt's are taken at admission)."""

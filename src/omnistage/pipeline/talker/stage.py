@@ -39,14 +39,15 @@ class TalkerStage(AsyncOutputStep):
                  thinker_tts_embeds: torch.Tensor, *, max_batch_size: int = 64, max_num_batched_tokens: int = 8192,
                  num_blocks: int = 1024, block_size: int = 16, cuda_graph: bool = False,
                  graph_batch_sizes: Sequence[int] = (), prefill_tokens: Sequence[int] = (),
-                 async_output: bool = False, prefix_caching: bool = False, prefill_context_ratio: int = 0) -> None:
+                 async_output: bool = False, prefix_caching: bool = False, prefill_context_ratio: int = 0,
+                 kv_lookahead: int = 0) -> None:
         """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere), prefills as a forward (through `PrefillGraphRunner` at its `prefill_tokens` buckets when
         given and the prompts fit, rows past cached ones there too with `prefill_context_ratio`, else
         eagerly) plus its head graph; one KV block is then reserved for padding rows. `prefix_caching`: the
-        prompts' user-turn rows are cached (talker/prefix.py). `max_num_batched_tokens`: rows a step
-        (`TalkerScheduler`)."""
+        prompts' user-turn rows are cached (talker/prefix.py). `max_num_batched_tokens`: rows a step,
+        `kv_lookahead`: frames of room each running request keeps at an admission (`TalkerScheduler`)."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = talker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -57,7 +58,7 @@ class TalkerStage(AsyncOutputStep):
         # NOTE: requests hold a row from admission to their end; more than this many wait, as for KV blocks
         self.penalties = PenaltyTable(4 * max_batch_size, talker.codec_head.out_features, p.device, counts=False)
         self.scheduler = TalkerScheduler(KvGrowth(self.blocks, cache, "talker"), self.penalties, max_batch_size,
-                                         max_num_batched_tokens)
+                                         max_num_batched_tokens, kv_lookahead)
         self.seqs, self.waiting = self.scheduler.seqs, self.scheduler.waiting  # the same queues
         self.runner: TalkerGraphRunner | None = None
         self.prefill: PrefillGraphRunner | None = None
