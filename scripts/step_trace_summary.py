@@ -8,7 +8,9 @@ behind the largest prefills of `--stage` (a burst), so long steps and waits show
                                                   scripts/gpu_load_trace.sh writes the marks)
         [--stalls OUT/results.json]   (instead of bursts: the bench rows' stalls in the trace's time span, grouped
                                        where the audio ran out within --gap ms of the last; the steps before
-                                       the largest groups; `cuda`: the allocator's allocations, frees, retries)"""
+                                       the largest groups; `cuda`: the allocator's allocations, frees, retries)
+        [--segments 2 --long 150]     (instead: --stage's steps in segments split at pauses over 2 s, a bench
+                                       row each; per segment its longest steps and how many took over --long ms)"""
 
 from __future__ import annotations
 
@@ -78,6 +80,18 @@ def print_stalls(steps: dict[str, list[dict]], args: argparse.Namespace) -> None
         print("\n".join(window(steps, g[0][0], args.before, args.after)))
 
 
+def print_segments(steps: list[dict], pause_s: float, long_ms: float) -> None:
+    segments: list[list[dict]] = []
+    for s in steps:
+        if not segments or s["t"] - segments[-1][-1]["t"] > pause_s:
+            segments.append([])
+        segments[-1].append(s)
+    for seg in segments:
+        ms = sorted((s["ms"] for s in seg), reverse=True)
+        print(f"t {seg[0]['t']:.1f}-{seg[-1]['t']:.1f} s: {len(seg)} steps, longest ms {[round(m) for m in ms[:8]]}, "
+              f"{sum(m > long_ms for m in ms)} over {long_ms:.0f}")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("trace_dir", type=Path)
@@ -89,10 +103,15 @@ def main() -> None:
     ap.add_argument("--row", default=None)
     ap.add_argument("--stalls", type=Path, default=None, help="a bench results.json with stall_events")
     ap.add_argument("--gap", type=float, default=50.0)
+    ap.add_argument("--segments", type=float, default=None, help="pause (s) between bench rows")
+    ap.add_argument("--long", type=float, default=150.0)
     args = ap.parse_args()
     steps = load(args.trace_dir)
     if args.clock is not None and args.row is not None:
         steps = between(steps, args.clock, args.row)
+    if args.segments is not None:
+        print_segments(steps.get(args.stage, []), args.segments, args.long)
+        return
     if args.stalls is not None:
         print_stalls(steps, args)
         return

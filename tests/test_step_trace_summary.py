@@ -58,3 +58,13 @@ def test_stalls_grouped_with_the_steps_before_them(tmp_path, capsys, monkeypatch
     assert "4 stalls in 2 groups; sizes [3, 1]" in out
     at = out.index("3 stalls from t = 10.060 over 25 ms, waits 9-40 ms, chunks [2, 3]:")
     assert [line.split()[0] for line in out[at + 1:]] == ["-50.0", "-40.0"]  # not +10.0: past --after
+
+
+def test_rows_as_segments_with_their_longest_steps(tmp_path, capsys, monkeypatch):
+    _write(tmp_path / "thinker.jsonl", [(1.0, 20.0, 2, 2), (1.1, 300.0, 4, 900), (1.5, 9.0, 4, 4),
+                                        (5.0, 160.0, 3, 3), (5.2, 151.0, 3, 3)])
+    monkeypatch.setattr("sys.argv", ["x", str(tmp_path), "--stage", "thinker", "--segments", "2", "--long", "150"])
+    load_script("step_trace_summary").main()
+    assert capsys.readouterr().out.splitlines() == [
+        "t 1.0-1.5 s: 3 steps, longest ms [300, 20, 9], 1 over 150",  # 5.0 starts a row: 3.5 s later
+        "t 5.0-5.2 s: 2 steps, longest ms [160, 151], 2 over 150"]
