@@ -155,9 +155,10 @@ class ThinkerStage(AsyncOutputStep):
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
         """What arrived (within the media budget) through the encoders (`_encode`), what finished there admitted
         (`_arrive`), then the scheduler's (seq, new tokens) for this step."""
-        self.queued.extend((item, media_tokens(item, self.mm_ids)) for item in self.inbox.drain())
+        budget = self.max_encoder_tokens
+        self.queued.extend((item, media_tokens(item, self.mm_ids) if budget else 0) for item in self.inbox.drain())
         if self.queued:
-            self.arrivals.add(self._encode(take_within(self.queued, self.max_encoder_tokens)))
+            self.arrivals.add(self._encode(take_within(self.queued, budget)))
         for arrival in self.arrivals.ready(wait=not (self.waiting or self.running)):
             self._arrive(arrival)
         return self.scheduler.schedule()
