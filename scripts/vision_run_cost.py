@@ -25,9 +25,9 @@ CASES = {"4 photos 640x480": [[1, 30, 40]] * 4, "1 video 4 s 320x240": [[4, 16, 
 def _case(runner: VisionGraphRunner, grids: list[list[int]], dtype: torch.dtype, n: int) -> dict[str, float]:
     width = runner.pixels.shape[1]
     pixels = [torch.randn(t * h * w, width).to(dtype) for t, h, w in grids]
-    host, gpu = [], []
+    host, gpu, timed = [], [], runner.graphs is not None
     for _ in range(n):
-        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if runner.graphs else (None, None)
+        start, end = (torch.cuda.Event(enable_timing=True) for _ in range(2)) if timed else (None, None)
         if start is not None:
             start.record()
         t0 = time.perf_counter()
