@@ -195,3 +195,11 @@ def test_a_base_that_includes_itself_is_refused(tmp_path) -> None:
     (tmp_path / "c.yaml").write_text("base: 3\n")
     with pytest.raises(ConfigError, match="base: must be a file name, got 3"):
         load_deploy_config(tmp_path / "c.yaml", "cpu")
+
+
+@pytest.mark.parametrize("layout", [None, "80gb", "2x80gb", "2gpu", "3gpu", "4gpu", "4x80gb"])
+def test_the_talker_captures_at_start_whatever_prompt_the_thinker_does(tiny_dir, layout) -> None:
+    # a talker row holds the thinker's prompt: past its widths a graph was captured in the middle of serving
+    cfg = load_deploy_config(default_deploy_config(tiny_dir, layout), "cuda")
+    widths = {s: cfg.stage(s).cuda_graph_capture_widths for s in ("thinker", "talker")}
+    assert max(widths["talker"]) >= max(widths["thinker"]) >= 256
