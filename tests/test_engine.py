@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import gc
 import random
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -238,3 +240,24 @@ def test_the_offline_api_keeps_the_stages_in_this_process() -> None:
         assert o.engine.placement == "local" and o.engine.thinker.blocks.num_blocks > 0
     finally:
         o.engine.shutdown()
+
+
+def test_a_finished_request_is_freed_without_the_garbage_collector() -> None:
+    """A request (its prompt inputs, media tensors among them) in a reference cycle waited for a collection: in
+    a server, a pause of every stage's thread (gc_heap.py)."""
+    o = omni(2, 25)
+    gc.collect()
+    gc.disable()
+    try:
+        req = o.engine.make_request("freed", conv(2), None, want_audio=True, voice="Aiden", emit=lambda d: None,
+                                    **greedy(4, 6))
+        o.engine.add_request(req)
+        o.engine.wait(["freed"])
+        ref = weakref.ref(req)
+        del req
+
+        def freed() -> None:  # NOTE: a stage's thread may hold it until its step in flight is done
+            assert ref() is None
+        settle(freed)
+    finally:
+        gc.enable()

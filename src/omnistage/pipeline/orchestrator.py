@@ -151,11 +151,11 @@ class Orchestrator:
             raise EngineDeadError(f"the engine has failed: {self._error!r}")
         if req.want_audio and not self.config.enable_audio_output:
             raise ValueError(NO_AUDIO_OUTPUT)
-        emit = req.emit
+        emit, request_id = req.emit, req.request_id
 
-        def emit_and_forget(delta: OutputDelta) -> None:
+        def emit_and_forget(delta: OutputDelta) -> None:  # NOTE: not `req`: a cycle would wait for the collector
             if delta.finished:
-                self._forget(req.request_id)
+                self._forget(request_id)
             emit(delta)
 
         req.emit = emit_and_forget
