@@ -4,10 +4,20 @@ what arrives while it is busy goes in one piece, and the turns are those of the 
 from __future__ import annotations
 
 import asyncio
+import base64
+import gc
+import json
+import weakref
 
 import numpy as np
 from test_realtime_vad import engine, spoken  # noqa: F401 (engine: the module's VadEngine fixture)
 
+from omnistage.config import DEPLOY_DIR
+from omnistage.config_loader import load_deploy_config
+from omnistage.media import MediaPolicy
+from omnistage.server.metrics import ServerMetrics
+from omnistage.server.realtime.session import RealtimeSession, SessionContext
+from omnistage.server.realtime.transcripts import TranscriptStore
 from omnistage.server.realtime.turn_feed import TurnFeed
 from omnistage.server.realtime.turns import OURS
 from omnistage.server.realtime.vad import ServerVad, TurnEvent
@@ -74,3 +84,37 @@ def test_a_failed_vad_call_loses_its_audio_only(engine):
     assert calls[-1][1] == pcm.size  # the feed lived on
     assert [e.type for turns, _ in calls for e in turns if e.type not in OURS] == [
         "speech_started", "speech_stopped"]
+
+
+def test_a_closed_session_is_freed_without_the_garbage_collector(engine) -> None:  # noqa: F811
+    """Its feed, player and transcriber held its methods: a cycle kept its history and audio for a collection."""
+    ctx = SessionContext(None, "m", load_deploy_config(DEPLOY_DIR / "qwen3_omni_moe.yaml", "cpu"), ["Ethan"],
+                         TranscriptStore(), lambda td: engine.detector(ServerVad(**td.model_dump(exclude={"type"}))),
+                         1 << 22, ServerMetrics(), MediaPolicy())
+    vad = {"type": "server_vad", "silence_duration_ms": 300, "create_response": False}
+    audio = base64.b64encode(spoken(0.3, "question_2s", 0.8).tobytes()).decode()
+    sent: list[dict] = []
+
+    async def session_events() -> weakref.ref:
+        async def send(event: dict) -> None:
+            sent.append(event)
+        session = RealtimeSession(ctx, send)
+        await session.start()
+        for event in ({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+                "turn_detection": vad}}}}, {"type": "input_audio_buffer.append", "audio": audio},
+                {"type": "conversation.item.create", "item": {"type": "message", "role": "user",
+                                                               "content": [{"type": "input_text", "text": "Hi"}]}}):
+            await session.handle(json.dumps(event))
+        await session.close()
+        return weakref.ref(session)
+
+    gc.collect()
+    gc.disable()
+    try:
+        ref = asyncio.run(session_events())
+        assert ref() is None
+    finally:
+        gc.enable()
+    assert [e["type"] for e in sent] == ["session.created", "session.updated", *(
+        f"input_audio_buffer.speech_{x}" for x in ("started", "stopped")), "input_audio_buffer.committed",
+        *["conversation.item.added", "conversation.item.done"] * 2]  # the spoken turn, then the text item

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationError
@@ -170,3 +171,16 @@ def parse_event(data: str | bytes) -> tuple[ClientEvent | None, str | None, Real
         return cls.model_validate(raw), event_id, None
     except ValidationError as e:
         return None, event_id, invalid(e)
+
+
+class Outbox:
+    """A session's way out for its events, shut when the session closes. The session's parts (its player,
+    transcriber) send through this, not through a method of the session: that cycle kept each closed session,
+    its history and audio, until a garbage collection."""
+
+    def __init__(self, send: Callable[[dict], Awaitable[None]]) -> None:
+        self.send, self.closed = send, False
+
+    async def __call__(self, event: dict) -> None:
+        if not self.closed:
+            await self.send(event)

@@ -58,11 +58,10 @@ class SessionContext:
 
 class RealtimeSession:
     def __init__(self, ctx: SessionContext, emit: Emit) -> None:
-        self.ctx, self._send = ctx, emit
+        self.ctx, self._emit = ctx, ev.Outbox(emit)
         self.id = new_id("sess")
         self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
-        self.closed = False
         self._input = InputAudioBuffer(ctx.max_buffer_bytes)
         self._feed: TurnFeed | None = None  # the audio's way to server VAD (turn_feed.py)
         self._detector_base = 0  # the session sample where the detector's clock starts
@@ -87,11 +86,20 @@ class RealtimeSession:
         except RealtimeError as e:
             await self._emit(ev.error_event(e, event_id))
 
+    @property
+    def closed(self) -> bool:
+        return self._emit.closed
+
+    @closed.setter
+    def closed(self, value: bool) -> None:
+        self._emit.closed = value
+
     async def close(self) -> None:
         """The socket is gone: stop the response (aborting its request), send nothing more."""
         self.closed = True
         if self._feed is not None:
             self._feed.close()
+            self._feed = None  # NOTE: it calls back into the session (a cycle: see ev.Outbox)
         await self._player.cancel("client_cancelled")
         await self._transcriber.close()
 
@@ -238,11 +246,6 @@ class RealtimeSession:
         if not await self._player.cancel("client_cancelled"):
             raise RealtimeError("Cancellation failed: no active response found.", None,
                                 "response_cancel_not_active")
-
-    async def _emit(self, event: dict) -> None:
-        if not self.closed:
-            await self._send(event)
-
 
 _HANDLERS: dict[type, Callable[[RealtimeSession, ev.ClientEvent], Awaitable[None]]] = {
     ev.SessionUpdate: RealtimeSession._update, ev.AudioAppend: RealtimeSession._append,
