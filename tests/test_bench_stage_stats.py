@@ -18,14 +18,15 @@ from omnistage.bench.stage_stats import (
 def test_stage_summary_splits_gpu_time_from_step_time() -> None:
     text = "".join(f'omnistage_stage_{k}_total{{stage="{st}"}} {v}\n' for st, k, v in (
         ("talker", "steps", 110), ("talker", "busy_seconds", 3.0), ("talker", "step_rows", 1000),
-        ("talker", "graph_gpu_seconds", 1.5), ("talker", "graph_replays", 100), ("code2wav", "steps", 5)))
+        ("talker", "graph_gpu_seconds", 1.5), ("talker", "graph_replays", 100), ("talker", "graph_captures", 42),
+        ("code2wav", "steps", 5)))
     text += 'omnistage_kv_block_waits_total{stage="talker"} 9\nomnistage_kv_swaps_total{stage="talker"} 3\n'
     before = {"talker": {"steps": 10, "busy_seconds": 1.0, "graph_gpu_seconds": 0.5, "graph_replays": 0,
-                         "kv_block_waits": 2}}
+                         "graph_captures": 41, "kv_block_waits": 2}}
     summary = stage_summary(before, parse_stage_counters(text), wall_s=2.0)
     assert summary["talker"] == pytest.approx({"steps_per_s": 50, "mean_step_ms": 20, "busy_fraction": 1.0,
                                                "mean_batch": 10, "graph_ms": 10, "graph_gpu_fraction": 0.5,
-                                               "kv_block_waits": 7, "kv_swaps": 3})
+                                               "graph_captures": 1, "kv_block_waits": 7, "kv_swaps": 3})
     assert "graph_ms" not in summary["code2wav"] and "kv_block_waits" not in summary["code2wav"]
 
 

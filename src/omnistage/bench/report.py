@@ -48,7 +48,7 @@ REALTIME_COLUMNS = {"variant": ("variant", "{}"), "clip": ("clip", "{}"), "turn 
 # the stage table's cells after the stage name: (stage figure, format)
 STAGE_CELLS = (("steps_per_s", "{:.1f}"), ("mean_step_ms", "{:.1f}"), ("busy_fraction", "{:.0%}"),
                ("mean_batch", "{:.1f}"), ("graph_ms", "{:.1f}"), ("graph_gpu_fraction", "{:.0%}"),
-               ("kv_block_waits", "{:.0f}"), ("kv_swaps", "{:.0f}"))
+               ("graph_captures", "{:.0f}"), ("kv_block_waits", "{:.0f}"), ("kv_swaps", "{:.0f}"))
 
 
 def git_commit() -> str:
@@ -161,11 +161,12 @@ def _stage_lines(rows: list[dict]) -> list[str]:
     """Per-stage step figures of the rows that have them."""
     return _server_table(
         rows, "stages", ["stage", "steps/s", "mean step ms", "busy", "mean batch", "graph GPU ms", "graph GPU busy",
-                         "KV waits", "KV swaps"],
+                         "captures", "KV waits", "KV swaps"],
         lambda stages: [[stage, *(_cell(s, k, f) for k, f in STAGE_CELLS)] for stage, s in sorted(stages.items())],
         "Where the time goes (server step counters over each row; busy = the stage's worker inside a step; "
-        "graph GPU = its CUDA graph replays on the GPU, timed by events; KV waits / swaps: grants of KV blocks "
-        "refused, requests swapped out, each a pause in its stream):")
+        "graph GPU = its CUDA graph replays on the GPU, timed by events; captures: graphs captured during the row, "
+        "each a pause of every stage; KV waits / swaps: grants of KV blocks refused, requests swapped out, each a "
+        "pause in its stream):")
 
 
 def _phase_lines(rows: list[dict]) -> list[str]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 _COUNTER = re.compile(r'^omnistage_(?:stage_)?(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays|'
-                      r'kv_block_waits|kv_swaps)_total\{stage="([^"]+)"\} (\S+)$', re.M)
+                      r'graph_captures|kv_block_waits|kv_swaps)_total\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
 _PREEMPT = re.compile(r'^omnistage_realtime_preemptive_responses_total\{outcome="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
@@ -99,7 +99,7 @@ def stage_summary(before: dict | None, after: dict | None, wall_s: float) -> dic
             gpu = a["graph_gpu_seconds"] - b.get("graph_gpu_seconds", 0)
             replays = a["graph_replays"] - b.get("graph_replays", 0)
             out[stage].update(graph_ms=gpu / replays * 1e3 if replays else None, graph_gpu_fraction=gpu / wall_s)
-        for key in ("kv_block_waits", "kv_swaps"):
+        for key in ("graph_captures", "kv_block_waits", "kv_swaps"):
             if key in a:
                 out[stage][key] = a[key] - b.get(key, 0)
     return out

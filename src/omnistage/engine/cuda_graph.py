@@ -150,6 +150,9 @@ class CUDAGraphs:
     def __contains__(self, key: Hashable) -> bool:
         return key in self.graphs
 
+    def __len__(self) -> int:
+        return len(self.graphs)
+
     def capture(self, key: Hashable, fn: Callable[[], Any]) -> None:
         """Run `fn` once eagerly (warm-up), then capture it. `fn` must not sync with the host."""
         with _CAPTURE_LOCK:

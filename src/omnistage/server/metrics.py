@@ -60,6 +60,9 @@ class ServerMetrics:
         self.graph_gpu = Counter(f"{p}_stage_graph_gpu_seconds_total",
                                  "GPU time of the stage's CUDA graph replays (events around each).", ("stage",))
         self.graph_replays = Counter(f"{p}_stage_graph_replays_total", "CUDA graph replays timed.", ("stage",))
+        self.graph_captures = Counter(f"{p}_stage_graph_captures_total",
+                                      "CUDA graphs captured, at start and later (each later one a pause).",
+                                      ("stage",))
         self.restarts = Counter(f"{p}_stage_restarts_total",
                                 "Times the replica's process died and was started again.", ("stage",))
         self.counters = {k: Counter(f"{p}_{k}_total", h, ("stage",)) for k, h in STAGE_COUNTERS.items()}
@@ -77,8 +80,8 @@ class ServerMetrics:
         self.rss = Gauge("process_resident_memory_bytes", "Resident memory of the server process.")
         self._all = [self.requests, self.ttft, self.ttfp, self.rtf, self.e2e, self.phase, self.batch_size,
                      self.queue_depth, self.kv_blocks_used, self.kv_blocks_total, self.active, self.failed,
-                     self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.restarts,
-                     self.waiting,
+                     self.steps, self.busy, self.step_rows, self.graph_gpu, self.graph_replays, self.graph_captures,
+                     self.restarts, self.waiting,
                      self.waiting_tokens, self.realtime_streamed_rows, self.realtime_prepared_turns,
                      self.realtime_preempted, self.rss,
                      *self.counters.values()]
@@ -87,7 +90,8 @@ class ServerMetrics:
                       kv_blocks_total: int | None = None, active: int | None = None,
                       failed: int | None = None, steps: int | None = None, busy_seconds: float | None = None,
                       step_rows: int | None = None, graph_gpu_seconds: float | None = None,
-                      graph_replays: int | None = None, restarts: int | None = None, **counters: int) -> None:
+                      graph_replays: int | None = None, graph_captures: int | None = None,
+                      restarts: int | None = None, **counters: int) -> None:
         """`counters`: the stage's own totals (`STAGE_COUNTERS`)."""
         self.batch_size.set(batch_size, stage=stage)
         self.queue_depth.set(queue_depth, stage=stage)
@@ -99,7 +103,8 @@ class ServerMetrics:
             self.active.set(active, stage=stage)
         for counter, total in ((self.failed, failed), (self.steps, steps), (self.busy, busy_seconds),
                                (self.step_rows, step_rows), (self.graph_gpu, graph_gpu_seconds),
-                               (self.graph_replays, graph_replays), (self.restarts, restarts),
+                               (self.graph_replays, graph_replays), (self.graph_captures, graph_captures),
+                               (self.restarts, restarts),
                                *((self.counters[k], v) for k, v in counters.items())):
             if total is not None:
                 counter.set_total(total, stage=stage)

@@ -48,7 +48,8 @@ def worker_stats(w: StageWorker) -> dict[str, int | float]:
            "busy_seconds": w.busy_seconds, "step_rows": w.step_rows}
     graphs = getattr(getattr(w.stage, "runner", None), "graphs", None)
     if graphs is not None:
-        out.update(graph_gpu_seconds=graphs.timer.gpu_seconds, graph_replays=graphs.timer.replays)
+        out.update(graph_gpu_seconds=graphs.timer.gpu_seconds, graph_replays=graphs.timer.replays,
+                   graph_captures=len(graphs))
     return out
 
 
