@@ -1,5 +1,5 @@
 """Where the server's time goes during one bench row: the per-stage step counters of /metrics
-(`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays}_total`,
+(`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays,graph_captures}_total`,
 `omnistage_kv_block_waits_total`, `omnistage_kv_swaps_total`) and the request
 phase histogram (`omnistage_request_phase_seconds_{sum,count}`) read before and after the row."""
 
@@ -20,7 +20,7 @@ REALTIME_PHASES = ("turn_end", "close", "closed")
 
 def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
     """Prometheus text -> {stage: {"steps", "busy_seconds", "step_rows"[, "graph_gpu_seconds", "graph_replays",
-    "kv_block_waits", "kv_swaps"]}}."""
+    "graph_captures", "kv_block_waits", "kv_swaps"]}}."""
     out: dict[str, dict[str, float]] = {}
     for name, stage, value in _COUNTER.findall(text):
         out.setdefault(stage, {})[name] = float(value)
@@ -82,7 +82,8 @@ def phase_means(before: dict | None, after: dict | None) -> dict[str, float] | N
 def stage_summary(before: dict | None, after: dict | None, wall_s: float) -> dict[str, dict[str, float]] | None:
     """Per stage over a row of `wall_s` seconds: steps per second, mean step time (ms), busy fraction of
     the wall time (its worker inside a step), mean batch size; with CUDA graphs also the mean GPU time of a
-    replay (ms) and the fraction of the wall time the stage's graphs ran on the GPU; where the stage grants KV as
+    replay (ms), the fraction of the wall time the stage's graphs ran on the GPU and the graphs captured over the
+    row (`graph_captures`, each a pause of every stage); where the stage grants KV as
     requests grow, the grants it refused and the requests it swapped out over the row (`kv_block_waits`,
     `kv_swaps`)."""
     if not before or not after or wall_s <= 0:
