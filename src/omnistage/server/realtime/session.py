@@ -247,6 +247,7 @@ class RealtimeSession:
             raise RealtimeError("Cancellation failed: no active response found.", None,
                                 "response_cancel_not_active")
 
+
 _HANDLERS: dict[type, Callable[[RealtimeSession, ev.ClientEvent], Awaitable[None]]] = {
     ev.SessionUpdate: RealtimeSession._update, ev.AudioAppend: RealtimeSession._append,
     ev.AudioCommit: RealtimeSession._commit_event, ev.AudioClear: RealtimeSession._clear,
