@@ -173,7 +173,7 @@ def parse_event(data: str | bytes) -> tuple[ClientEvent | None, str | None, Real
         return None, event_id, invalid(e)
 
 
-class Outbox:
+class EventSender:
     """A session's way out for its events, shut when the session closes. The session's parts (its player,
     transcriber) send through this, not through a method of the session: that cycle kept each closed session,
     its history and audio, until a garbage collection."""

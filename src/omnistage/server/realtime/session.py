@@ -58,7 +58,7 @@ class SessionContext:
 
 class RealtimeSession:
     def __init__(self, ctx: SessionContext, emit: Emit) -> None:
-        self.ctx, self._emit = ctx, ev.Outbox(emit)
+        self.ctx, self._emit = ctx, ev.EventSender(emit)
         self.id = new_id("sess")
         self.settings = initial(ctx.voices, ctx.model_name)
         self.conversation = Conversation()
@@ -99,7 +99,7 @@ class RealtimeSession:
         self.closed = True
         if self._feed is not None:
             self._feed.close()
-            self._feed = None  # NOTE: it calls back into the session (a cycle: see ev.Outbox)
+            self._feed = None  # NOTE: it calls back into the session (a cycle: see ev.EventSender)
         await self._player.cancel("client_cancelled")
         await self._transcriber.close()
 
