@@ -15,7 +15,7 @@ import json
 
 import torch
 
-from omnistage.layers import fp8, moe, triton_fp8, triton_fused_moe, triton_moe
+from omnistage.layers import fp8, moe, triton_fused_moe
 
 SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}  # hidden, moe_intermediate, experts, top-k
 TILES = [(16, n, k, w, s) for n, k in itertools.product((32, 64, 128), (64, 128, 256)) for w, s in ((4, 3), (4, 4), (8, 3))]
@@ -78,28 +78,18 @@ def tune(h: int, i: int, e: int, k: int, t: int, fp8_experts: bool = False) -> d
 
 def prefill(h: int, i: int, e: int, k: int, t: int) -> dict:
     """Prefill sizes (past `MAX_SLOTS`): the grouped GEMMs with bf16 experts, with FP8 ones (activations quantised
-    per row, `torch._scaled_grouped_mm`), that quantisation alone, dequantising the FP8 experts (`triton_fp8`),
-    `moe.fused_experts`' choice for FP8 experts (`DEQUANTIZE_SLOTS`), and the fused kernel's FP8 loads at prefill
-    tiles (wider BLOCK_M; the rows sorted by `moe.sort_by_expert`)."""
+    per row, `torch._scaled_grouped_mm`), that quantisation alone, and the fused kernel's FP8 loads (the path
+    `moe.fused_experts` takes for FP8 experts) at prefill tiles (`triton_fused_moe.FP8_PREFILL_TILES`)."""
     args = case(h, i, e, k, t)
     (q13, s13), (q2, s2) = fp8.quantize_rows(args[1]), fp8.quantize_rows(args[2])
     quant = (args[0], q13, q2, args[3], args[4], True, None, (s13, s2))
     res = {"bf16_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True), 10),
-           "fp8_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
-           "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10),
-           "dequantize_experts_ms": time_ms(lambda: (triton_fp8.dequantize(q13, s13, torch.bfloat16),
-                                                     triton_fp8.dequantize(q2, s2, torch.bfloat16)), 10),
-           "fp8_chosen_ms": time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)}
-    token, pos, offs = moe.sort_by_expert(args[4], e)
-
-    def fused() -> torch.Tensor:
-        act = triton_fused_moe.expert_gemm(args[0], q13, token, offs, True, s13)
-        return triton_moe.moe_unpermute(triton_fused_moe.expert_gemm(act, q2, token, offs, False, s2), args[3], pos)
-
+           "fp8_grouped_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
+           "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10)}
     for tile in PREFILL_TILES:
-        triton_fused_moe.FP8_TILES = tile
+        triton_fused_moe.FP8_PREFILL_TILES = tile
         try:
-            res[f"fp8_fused_{tile}_ms"] = time_ms(fused, 10)
+            res[f"fp8_fused_{tile}_ms"] = time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)
         except Exception as ex:  # NOTE: a tile past the shared-memory limit fails to launch; keep the others
             res[f"fp8_fused_{tile}_ms"] = repr(ex)[:120]
     print(f"t={t} h={h}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in res.items() if isinstance(ms, float)), flush=True)

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import KERNEL_DEVICE as DEV
 
-from omnistage.layers import fp8, linear, mlp, moe, triton_fp8, triton_fused_moe, triton_linear, triton_ops
+from omnistage.layers import fp8, linear, mlp, moe, triton_fused_moe, triton_linear, triton_ops
 
 GPU = DEV == "cuda"
 triton_only = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
@@ -44,7 +44,7 @@ def test_skinny_gemm_with_fp8_weights(monkeypatch, tiles: tuple | None, m: int) 
 
 
 @triton_only
-@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4)])
+@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4), (130, 4)])  # 520 slots: `FP8_PREFILL_TILES`
 def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
     g = torch.Generator().manual_seed(t)
     e, h, i = 8, 64, 32
@@ -77,19 +77,8 @@ def test_cuda_linear_paths(m: int) -> None:
     assert rel(out, ref) < 4e-2
 
 
-@triton_only
-def test_dequantize_kernel_is_the_reference_bit_for_bit() -> None:
-    g = torch.Generator().manual_seed(0)
-    q, scale = fp8.quantize_rows(torch.randn(3, 40, 72, generator=g) * torch.rand(3, 40, 1, generator=g))
-    q, scale = q.to(DEV), scale.to(DEV)
-    # NOTE: Triton's interpreter (the CPU) rounds fp32 to bf16 toward zero, the GPU to nearest even as torch does
-    for dtype in (torch.float32, torch.bfloat16) if GPU else (torch.float32,):
-        assert torch.equal(triton_fp8.dequantize(q, scale, dtype), fp8.dequantize(q, scale, dtype)), dtype
-
-
 @cuda_only
-@pytest.mark.parametrize("t", [8, 300, 2100])  # 64 / 2400 / 16800 slots: the fused decode kernel /
-# `_scaled_grouped_mm` / the experts dequantised (`DEQUANTIZE_SLOTS`) for the bf16 grouped GEMMs
+@pytest.mark.parametrize("t", [8, 300, 2100])  # 64 / 2400 / 16800 slots: the fused kernel's decode / prefill tiles
 def test_cuda_moe_paths(t: int) -> None:
     g = torch.Generator().manual_seed(t)
     e, h, i, k = 128, 2048, 768, 8  # the thinker's experts
@@ -98,4 +87,4 @@ def test_cuda_moe_paths(t: int) -> None:
     x = torch.randn(t, h, generator=g).cuda().bfloat16()
     weights, ids = moe.select_experts(torch.randn(t, e, generator=g).cuda().bfloat16(), k, True)
     ref = moe.fused_experts_reference(x.float(), w13, w2, weights.float(), ids, scales=(s13, s2))
-    assert rel(moe.fused_experts(x, w13, w2, weights, ids, scales=(s13, s2)), ref) < 5e-2
+    assert rel(moe.fused_experts(x, w13, w2, weights, ids, scales=(s13, s2)), ref) < 2e-2

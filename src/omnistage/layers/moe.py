@@ -8,11 +8,12 @@ the in-memory layout of transformers. `fused_experts` is the ONE place that pick
   path is CUDA-graph capturable; the top-k outputs are gathered back and summed in a fixed order
   (deterministic, no atomics). With `fast_path` the routing and this bookkeeping run as Triton
   kernels (`layers.triton_moe`), the torch sort staying for long prefills;
-- fused (fast path, decode sizes): both expert GEMMs and the activation in Triton (`layers.triton_fused_moe`).
+- fused (fast path, decode sizes; FP8 experts at every size): both expert GEMMs and the activation in Triton
+  (`layers.triton_fused_moe`).
 FP8 experts (`scales`: fp32 per expert per output row, `layers.fp8`): the fused kernel loads E4M3 tiles (weight-only);
-the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm`, or past `DEQUANTIZE_SLOTS`
-(and where torch lacks it) dequantises the experts (`layers.triton_fp8` on the fast path) for the bf16 grouped
-GEMMs; the reference loop dequantises each hit expert.
+off the fast path the grouped path quantises its rows per token and runs `torch._scaled_grouped_mm`, or past
+`DEQUANTIZE_SLOTS` (and where torch lacks it) dequantises the experts for the bf16 grouped GEMMs; the reference
+loop dequantises each hit expert.
 """
 
 from __future__ import annotations
@@ -25,17 +26,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from omnistage.layers import fp8, triton_fp8, triton_fused_moe, triton_moe
+from omnistage.layers import fp8, triton_fused_moe, triton_moe
 from omnistage.layers.linear import merge_linears
 from omnistage.layers.mlp import SwiGLUMLP, silu_mul
 from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
-# NOTE: past this many slots (T*k) FP8 experts are dequantised (one pass, 0.51 ms a thinker layer) for the
-# bf16 grouped GEMMs. H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens:
-# `_scaled_grouped_mm` 0.59 / 1.08 / 2.64 ms, dequantised 0.97 / 1.25 / 1.42, bf16 experts 0.46 / 0.75 / 0.91;
-# the talker's cross at ~9k
+# NOTE: off the fast path, past this many slots (T*k) FP8 experts are dequantised for the bf16 grouped GEMMs.
+# H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens: `_scaled_grouped_mm` 0.59 / 1.08 /
+# 2.64 ms, dequantised 0.97 / 1.25 / 1.42 (a Triton pass), bf16 experts 0.46 / 0.75 / 0.91
 DEQUANTIZE_SLOTS = 16384
 
 
@@ -108,19 +108,20 @@ def fused_experts_grouped(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torc
 
 def fused_experts(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, weights: torch.Tensor,
                   ids: torch.Tensor, shared: Shared | None = None, scales: Scales | None = None) -> torch.Tensor:
-    """Path choice: on the fast path up to `triton_fused_moe.MAX_SLOTS` bf16 slots (decode) the fused Triton
-    experts; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned, FP8 ones 16 elements; with `fast_path` its
-    bookkeeping in Triton kernels); the reference loop otherwise. `shared` is added as `add_shared` adds it (in the
-    un-permute kernel on the fast path); `scales`: the experts are FP8 (see the module docstring)."""
-    if fast_path(x) and x.dtype == torch.bfloat16 and ids.numel() <= triton_fused_moe.MAX_SLOTS:
+    """Path choice: on the fast path the fused Triton experts up to `triton_fused_moe.MAX_SLOTS` bf16 slots
+    (decode), FP8 experts at every size; grouped GEMM on CUDA bf16 (rows must be 16-byte aligned, FP8 ones 16
+    elements; with `fast_path` its bookkeeping in Triton kernels); the reference loop otherwise. `shared` is added
+    as `add_shared` adds it (in the un-permute kernel on the fast path); `scales`: the experts are FP8 (see the
+    module docstring)."""
+    fused = scales is not None or ids.numel() <= triton_fused_moe.MAX_SLOTS
+    if fast_path(x) and x.dtype == torch.bfloat16 and fused:
         return triton_fused_moe.fused_moe(x, w_gate_up, w_down, weights, ids, shared, scales)
     row = 16 if scales is not None else 16 // x.element_size()
     aligned = all(n % row == 0 for n in (x.shape[-1], w_down.shape[-1]))
     if x.is_cuda and x.dtype == torch.bfloat16 and aligned and hasattr(torch, "_grouped_mm"):
         long_prefill = ids.numel() > DEQUANTIZE_SLOTS
         if scales is not None and (long_prefill or not hasattr(torch, "_scaled_grouped_mm")):
-            dequantize = triton_fp8.dequantize if fast_path(x) else fp8.dequantize
-            w_gate_up, w_down = (dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
+            w_gate_up, w_down = (fp8.dequantize(w, s, x.dtype) for w, s in zip((w_gate_up, w_down), scales))
             scales = None
         return fused_experts_grouped(x, w_gate_up, w_down, weights, ids, fast_path(x), shared, scales)
     return add_shared(fused_experts_reference(x, w_gate_up, w_down, weights, ids, scales), shared)

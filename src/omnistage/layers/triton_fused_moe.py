@@ -1,4 +1,5 @@
-"""Fused MoE experts for decode sizes (Triton, vLLM `fused_moe` style); `layers.moe.fused_experts` picks it.
+"""Fused MoE experts for decode sizes, and FP8 experts' prefill (Triton, vLLM `fused_moe` style);
+`layers.moe.fused_experts` picks it.
 
 At decode each hit expert gets 1-2 token rows, so the step is bound by reading the hit experts' weights.
 `fused_moe` runs the experts as two launches of one kernel over blocks of `BLOCK_M` rows sorted by expert
@@ -24,7 +25,12 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# NOTE: up to this many slots (T*k) `fused_experts` takes this path, above it the grouped GEMMs: a guess.
+# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill` on an H100 (`94ddd59`), thinker at 1 024 / 2 048 /
+# 4 096 tokens 0.53 / 0.78 / 1.52 ms against `_scaled_grouped_mm` or the dequantised experts' 0.68 / 1.21 / 1.63
+# (bf16 experts 0.55 / 0.82 / 1.01); talker 0.17 / 0.18 / 0.32 against 0.27 / 0.49 / 0.51
+FP8_PREFILL_TILES = (128, 64, 64, 8, 3)
+# NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
+# guess. FP8 experts take it at every size, past it with FP8_PREFILL_TILES.
 MAX_SLOTS = 512
 
 if triton_ops.triton is not None:
@@ -92,6 +98,14 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_slots, num_experts)
 
 
+def tiles(num_slots: int, fp8_experts: bool) -> tuple[int, int, int, int, int]:
+    if fp8_experts and num_slots > MAX_SLOTS:
+        return FP8_PREFILL_TILES
+    if fp8_experts and FP8_TILES is not None:
+        return FP8_TILES
+    return BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES
+
+
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                 gated: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
     """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
@@ -103,8 +117,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
     num_experts, n, k = w.shape
     n //= 2 if gated else 1
     out = a.new_empty(token.numel(), n)
-    bm, bn, bk, warps, stages = (FP8_TILES if scale is not None and FP8_TILES is not None
-                                 else (BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES))
+    bm, bn, bk, warps, stages = tiles(token.numel(), scale is not None)
     grid = (max_blocks(token.numel(), num_experts, bm), triton.cdiv(n, bn))
     scale_arg = out if scale is None else scale
     _expert_gemm_kernel[grid](a, w, scale_arg, token, offs, out, w.stride(0), w.stride(1), scale_arg.stride(0),
