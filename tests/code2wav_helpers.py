@@ -61,11 +61,9 @@ class Run:
     codes: list[torch.Tensor]  # [frames, 16] per request
 
 
-def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = frozenset(),
-          slow: frozenset[int] = frozenset()) -> Run:
+def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = frozenset()) -> Run:
     """Feed the plan's frames to `stage` as a talker would (1-2 per request per tick); one step per tick. The
-    requests in `alone` (indices) come as the talker's only request at their first frame; those in `slow` have
-    their frames made 50 ms apart (`made_at`), the others 10 ms."""
+    requests in `alone` (indices) come as the talker's only request at their first frame."""
     gen = torch.Generator().manual_seed(0)
     run = Run([Req(f"r{i}") for i in range(len(plan))], {},
               [torch.randint(0, 2048, (frames, 16), generator=gen) for _, frames, _ in plan])
@@ -79,8 +77,7 @@ def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = froze
                 continue
             k = min(1 + (i + t) % 2, frames - sent[i])
             for j, f in enumerate(run.codes[i][sent[i]:sent[i] + k]):
-                n, apart = sent[i] + j, 0.05 if i in slow else 0.01
-                stage.add(FrameChunk(req, f, talker_alone=i in alone and n == 0, made_at=n * apart))
+                stage.add(FrameChunk(req, f, talker_alone=i in alone and sent[i] + j == 0))
             sent[i] += k
             if sent[i] == frames:
                 stage.add(FrameChunk(req, finished=True))
@@ -94,12 +91,11 @@ def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = froze
 
 
 def stage(graph: bool, sizes: tuple[int, ...] = (1, 2, 4, 8), growth: bool = True, initial: int = INITIAL,
-          chunk: int = CHUNK, async_output: bool = False, budget: int = 4096, idle_initial: int = 0,
-          slow_initial: int = 0) -> Code2WavStage:
+          chunk: int = CHUNK, async_output: bool = False, budget: int = 4096, idle_initial: int = 0) -> Code2WavStage:
     return Code2WavStage(model(), max_batch_size=MAX_BATCH, max_num_batched_tokens=budget,
                          initial_chunk_frames=initial, chunk_frames=chunk, idle_initial_chunk_frames=idle_initial,
-                         slow_initial_chunk_frames=slow_initial, chunk_growth=growth, cuda_graph=graph,
-                         graph_batch_sizes=sizes, async_output=async_output)
+                         chunk_growth=growth, cuda_graph=graph, graph_batch_sizes=sizes,
+                         async_output=async_output)
 
 
 @functools.cache

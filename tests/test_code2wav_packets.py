@@ -1,7 +1,6 @@
 """The growing packet schedule (2, 2, 4, 8, 16, 25, ...): its rule, and packets of exactly its frames and
 samples through the eager stage and the runner, shorter last chunks padded into larger shapes, exact; streams
-the talker ran alone at their first frame start with `idle_initial` frames, those that start slowly with
-`slow_initial`."""
+the talker ran alone at their first frame start with `idle_initial` frames."""
 
 from __future__ import annotations
 
@@ -24,31 +23,16 @@ def test_packet_schedule() -> None:
 GROWING = {43: [2, 2, 4, 8, 16, 11], 40: [2, 2, 4, 8, 16, 8], 3: [2, 1], 1: [1]}  # frames -> packets
 
 
-def eager_and_runner(plan: list, shapes: dict, alone: frozenset[int] = frozenset(), slow: frozenset[int] = frozenset(),
-                     **kw) -> tuple[Run, Run, set]:
+def eager_and_runner(plan: list, shapes: dict, alone: frozenset[int] = frozenset(), **kw) -> tuple[Run, Run, set]:
     """The plan through the eager stage and through the runner (emulated graphs, which must have `shapes`):
     both runs and the runner's padded chunks {(shape, frames)}."""
-    eager = drive(stage(False, (1, 2, 4), **kw), plan, alone, slow)
+    eager = drive(stage(False, (1, 2, 4), **kw), plan, alone)
     st = stage(True, (1, 2, 4), **kw)
     st.runner.graphs = EmulatedGraphs()
     assert st.runner.shapes == shapes
     with spy(st.runner) as steps:
-        graphed = drive(st, plan, alone, slow)
+        graphed = drive(st, plan, alone)
     return eager, graphed, {(shape, n) for _, _, shape, lens in steps for n in lens if n < shape[0]}
-
-
-def test_streams_that_start_slowly_wait_for_a_longer_first_packet() -> None:
-    """Slow initial 4 beside initial 2 and idle initial 1: the streams whose first two frames were made 50 ms
-    apart (> `SLOW_START_S`) get 4, 4, 8, ..., those 10 ms apart 2, 2, 4, ..., the talker's lone stream 1 (its
-    first packet gone before its second frame); the runner holds the three first shapes, exact as above."""
-    slow, alone = frozenset({0, 2}), frozenset({2})
-    shapes = {True: [1, 2, 4], False: [1, 2, 4, 8, 16, 25]}
-    eager, graphed, padded = eager_and_runner([(0, n, None) for n in GROWING], shapes, alone, slow, initial=2,
-                                              chunk=25, idle_initial=1, slow_initial=4)
-    packets = [[4, 4, 8, 16, 11], [2, 2, 4, 8, 16, 8], [1, 1, 1], [1]]
-    assert packets[:2] == [packet_sizes(n, 4 if i in slow else 2, 25, True) for i, n in enumerate(list(GROWING)[:2])]
-    assert padded == {((16, False), 11)}
-    assert_exact(packets, graphed, eager)
 
 
 def assert_exact(packets: list[list[int]], a: Run, b: Run) -> None:

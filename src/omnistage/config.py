@@ -69,14 +69,10 @@ class ConnectorConfig:
     (`FrameChunk.talker_alone`; 0: `initial_codec_chunk_frames`): 1 starts the audio a talker step sooner. Only
     where a frame (a talker step, then code2wav's) takes well under a 1-frame first packet's 57 ms of audio, as
     on a GPU: on the CPU's tiny checkpoint 22 of 24 such streams stalled (benchmarks/HISTORY.md, 31st section);
-    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
-    `slow_initial_codec_chunk_frames` (0: off): the first packet's frames, at least, for a stream whose first two
-    frames were made more than `code2wav.seq.SLOW_START_S` apart, as in a burst's ramp: growth needs frames at twice
-    real time, so a short first packet of a slow stream runs dry (benchmarks/HISTORY.md, forty-first section)."""
+    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
-    slow_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
     codec_chunk_growth: bool = r.opt(True, r.boolean)
 

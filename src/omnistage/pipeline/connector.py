@@ -38,14 +38,12 @@ class TextChunk:
 @dataclass
 class FrameChunk:
     """One codec frame [G] for code2wav, or the end of the frames (`finished`). `talker_alone` (a request's
-    first frame): the talker ran no other request, and had none waiting, when it made it; `made_at`: when
-    (`time.monotonic()` as its step's output was handled)."""
+    first frame): the talker ran no other request, and had none waiting, when it made it."""
 
     request: Request
     frame: torch.Tensor | None = None
     finished: bool = False
     talker_alone: bool = False
-    made_at: float = 0.0
 
 
 class Inbox(Generic[T]):

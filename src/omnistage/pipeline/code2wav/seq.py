@@ -10,8 +10,6 @@ from omnistage.engine.request import Request
 from omnistage.layers.context import HostCopy
 from omnistage.models.qwen3_omni.code2wav_stream import StreamState
 
-SLOW_START_S = 0.04  # half a frame's audio: packet growth needs frames at twice real time
-
 
 @dataclass
 class WavSeq:
@@ -23,18 +21,6 @@ class WavSeq:
     in_flight: int = 0  # chunks launched whose samples are not emitted yet
     dry_at: float | None = None  # when its emitted audio, played in real time from its first chunk, runs out
     chunk: tuple[int, int] = (0, 0)  # (frames, shape) of the chunk `_schedule` picked for this step, if any
-    first_made_at: float = 0.0  # when the talker made its first frame
-
-    def take(self, frame: torch.Tensor, made_at: float, slow_initial: int) -> None:
-        """A frame; before its first packet, a slow start (its first two frames made more than SLOW_START_S
-        apart) makes that packet at least `slow_initial` frames."""
-        self.pending.append(frame)
-        if self.state.frames or len(self.pending) > 2:
-            return
-        if len(self.pending) == 1:
-            self.first_made_at = made_at
-        elif made_at - self.first_made_at > SLOW_START_S:
-            self.initial = max(self.initial, slow_initial)
 
     @property
     def ended(self) -> bool:

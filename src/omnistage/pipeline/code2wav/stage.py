@@ -29,24 +29,22 @@ class Code2WavStage(AsyncOutputStep):
 
     def __init__(self, code2wav: torch.nn.Module, *, max_batch_size: int = 64, max_num_batched_tokens: int = 4096,
                  initial_chunk_frames: int = 4, chunk_frames: int = 25, chunk_growth: bool = True,
-                 idle_initial_chunk_frames: int = 0, slow_initial_chunk_frames: int = 0, cuda_graph: bool = False,
-                 graph_batch_sizes: Sequence[int] = (), async_output: bool = False) -> None:
+                 idle_initial_chunk_frames: int = 0, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
+                 async_output: bool = False) -> None:
         """Chunks of `packet_frames(emitted, initial, chunk_frames, chunk_growth)` frames, `initial` a stream's
         `idle_initial_chunk_frames` where the talker ran it alone at its first frame (and that is not 0), else
-        `initial_chunk_frames`, at least `slow_initial_chunk_frames` after a slow start (`WavSeq.take`); at most
-        `max_num_batched_tokens` frames a step (a step's first chunk goes whatever its length).
+        `initial_chunk_frames`; at most `max_num_batched_tokens` frames a step (a step's first chunk goes
+        whatever its length).
         `cuda_graph`: chunk steps go through `Code2WavGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere). `async_output`: see `step`."""
         self.streamer = Code2WavStreamer(code2wav, max_batch_size)
         self.initials = (initial_chunk_frames, idle_initial_chunk_frames or initial_chunk_frames)  # (shared, alone)
-        self.slow_initial = slow_initial_chunk_frames
-        firsts = sorted({*self.initials, *([self.slow_initial] if self.slow_initial else [])})
-        self.packets = PacketSchedule.of(firsts, chunk_frames, chunk_growth)
+        self.packets = PacketSchedule.of(self.initials, chunk_frames, chunk_growth)
         self.runner: Code2WavGraphRunner | None = None
         if cuda_graph:
             sizes = list(graph_batch_sizes) or StageConfig(max_batch_size=max_batch_size).graph_batch_sizes()
-            self.runner = Code2WavGraphRunner(self.streamer, sizes, firsts, self.packets)
+            self.runner = Code2WavGraphRunner(self.streamer, sizes, sorted(set(self.initials)), self.packets)
         self.inbox: Inbox[FrameChunk] = Inbox()
         self.seqs: dict[str, WavSeq] = {}
         self.waiting: dict[str, list[FrameChunk]] = {}  # requests without a stream slot yet, in arrival order
@@ -100,7 +98,7 @@ class Code2WavStage(AsyncOutputStep):
         if chunk.finished:
             seq.done = True
         else:
-            seq.take(arrive(chunk.frame, self.device), chunk.made_at, self.slow_initial)
+            seq.pending.append(arrive(chunk.frame, self.device))
 
     def _schedule(self) -> list[WavSeq]:
         self._receive()

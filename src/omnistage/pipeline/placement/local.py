@@ -152,7 +152,6 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                               initial_chunk_frames=conn.initial_codec_chunk_frames,
                               chunk_frames=conn.codec_chunk_frames, chunk_growth=conn.codec_chunk_growth,
                               idle_initial_chunk_frames=conn.idle_initial_codec_chunk_frames,
-                              slow_initial_chunk_frames=conn.slow_initial_codec_chunk_frames,
                               cuda_graph=sc.cuda_graph, graph_batch_sizes=sc.graph_batch_sizes(),
                               async_output=p.deploy.async_output)
     return stage

@@ -5,7 +5,6 @@ then needs one text row per frame; it waits only when the thinker lags."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from time import monotonic
 from typing import Any
 
 import torch
@@ -169,14 +168,14 @@ class TalkerStage(AsyncOutputStep):
         return Launched.of(runs)
 
     def _complete(self, launched: Launched) -> None:
-        c0, now = iter(launched.codes0()), monotonic()
+        c0 = iter(launched.codes0())
         for group, frames in launched.runs:
             for i, (seq, _) in enumerate(group):
                 code = next(c0)
                 if self.seqs.get(seq.req.request_id) is seq:  # not ended (or aborted) since its launch
-                    self.faults.run(seq.req, self._advance, seq, frames[i], code, now)
+                    self.faults.run(seq.req, self._advance, seq, frames[i], code)
 
-    def _advance(self, seq: TalkerSeq, frame: torch.Tensor, c0: int, now: float) -> None:
+    def _advance(self, seq: TalkerSeq, frame: torch.Tensor, c0: int) -> None:
         if c0 == self.talker.codec_eos:
             return self._finish(seq)
         seq.emitted += 1
@@ -184,7 +183,7 @@ class TalkerStage(AsyncOutputStep):
         if seq.emitted == 1:
             seq.req.mark("first_frame")
             alone = len(self.seqs) == 1 and not self.waiting
-        self.to_code2wav(FrameChunk(seq.req, frame, talker_alone=alone, made_at=now))
+        self.to_code2wav(FrameChunk(seq.req, frame, talker_alone=alone))
         if seq.emitted >= seq.req.talker_sampling.max_frames:
             self._finish(seq)
 
