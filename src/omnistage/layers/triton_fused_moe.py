@@ -25,10 +25,12 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill` on an H100 (`94ddd59`), thinker at 1 024 / 2 048 /
-# 4 096 tokens 0.53 / 0.78 / 1.52 ms against `_scaled_grouped_mm` or the dequantised experts' 0.68 / 1.21 / 1.63
-# (bf16 experts 0.55 / 0.82 / 1.01); talker 0.17 / 0.18 / 0.32 against 0.27 / 0.49 / 0.51
-FP8_PREFILL_TILES = (128, 64, 64, 8, 3)
+# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill` on an H100 (`94ddd59`, `cff03bb`), the thinker's at
+# 128 / 512 / 1 024 / 2 048 / 4 096 tokens 0.36 / 0.38 / 0.49 / 0.80 / 1.59 ms against the path before (quantised
+# rows through `_scaled_grouped_mm`, past 16 384 slots the experts dequantised) 0.35 / 0.48 / 0.68 / 1.21 / 1.63
+# (bf16 experts 0.46 / 0.50 / 0.55 / 0.82 / 1.01); the talker's 0.12-0.33 against 0.17-0.51. Within 5 % of the
+# best tile measured at every size (BLOCK_M 128 is 2-5 % faster from 2 048 tokens, 40 % slower at 128)
+FP8_PREFILL_TILES = (64, 64, 64, 4, 3)
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
 # guess. FP8 experts take it at every size, past it with FP8_PREFILL_TILES.
 MAX_SLOTS = 512
