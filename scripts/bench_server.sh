@@ -1,5 +1,6 @@
 # Sourced by scripts/gpu_bench.sh and scripts/gpu_realtime_bench.sh (after PY, MODEL, PORT, URL, OUT, T0 are set):
-# start_server LOG [serve flags], stop_server, and start_main_server (the shipped deploy config, with fallbacks).
+# start_server LOG [serve flags], stop_server, and start_main_server (the shipped deploy config, with fallbacks); at
+# exit the server stopped and $OUT packed (`pack_out`).
 SERVER=
 stop_server() {
   [[ -n $SERVER ]] || return 0
@@ -8,7 +9,16 @@ stop_server() {
   kill -9 "$SERVER" 2>/dev/null
   SERVER=
 }
-trap stop_server EXIT
+# NOTE: a device call returns at most 8 files from $OUT: at exit all but the results, the figures and bench.log go
+# into $OUT/logs.tgz (BENCH_PACK=0 leaves them)
+pack_out() {
+  [[ ${BENCH_PACK:-1} != 0 && -d $OUT ]] || return 0
+  local extra
+  mapfile -t extra < <(cd "$OUT" && ls -A | grep -vxE 'results\.(json|md)|.*\.png|bench\.log|logs\.tgz')
+  ((${#extra[@]})) || return 0
+  (cd "$OUT" && tar czf logs.tgz "${extra[@]}" && rm -rf "${extra[@]}")
+}
+trap 'stop_server; pack_out' EXIT
 # start_server LOG [serve flags]: up when /health answers and one text+audio request comes back whole
 # (BENCH_DEPLOY_CONFIG: a deploy YAML or packaged layout; without it the server's own choice, 80gb on an H100)
 start_server() {

@@ -7,8 +7,8 @@
 #   2. realtime 20 s turns at BENCH_RT_SESSIONS (32) sessions, 2 turns each: where the close's time goes;
 #   3. read-aloud at c = 64 with answers BENCH_LONG_SCALE (5) x longer, BENCH_LONG_K (3) x 64 requests: KV taken
 #      as answers grow at full size (`kv_block_waits`, `kv_swaps` in the row's stages; /metrics at the end).
-# Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> OUT=/root/run bash scripts/gpu_load_trace.sh; then
-# tar czf <the call's $OUT>/run.tgz -C /root run (at most 8 files come back).
+# Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_load_trace.sh (logs and traces
+# come back packed in $OUT/logs.tgz).
 # Small scale on the CPU (~1 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_K=1 BENCH_LONG_K=1 BENCH_RT_SESSIONS=1 BENCH_RT_CLIP=question_2s \
 #   BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 BENCH_CONCURRENCY=2 BENCH_PYTHON=.venv/bin/python OUT=/tmp/trace \
