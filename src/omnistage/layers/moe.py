@@ -33,9 +33,9 @@ from omnistage.layers.triton_ops import fast_path
 
 Shared = tuple[torch.Tensor, torch.Tensor]  # the talker's shared expert: (gate logits [T, 1], its output [T, H])
 Scales = tuple[torch.Tensor, torch.Tensor]  # FP8 experts' row scales: (gate_up [E, 2I], down [E, H])
-# NOTE: off the fast path, past this many slots (T*k) FP8 experts are dequantised for the bf16 grouped GEMMs.
-# H200, moe_tune.py --prefill (`a7f39f0`), thinker at 1024 / 2048 / 4096 tokens: `_scaled_grouped_mm` 0.59 / 1.08 /
-# 2.64 ms, dequantised 0.97 / 1.25 / 1.42 (a Triton pass), bf16 experts 0.46 / 0.75 / 0.91
+# NOTE: off the fast path, past this many slots (T*k) FP8 experts are dequantised for the bf16 grouped GEMMs: on
+# the H200 (`a7f39f0`) `_scaled_grouped_mm` took 2.64 ms a thinker layer at 4 096 tokens, against 1.42 dequantised
+# in one Triton pass (since removed: the fast path runs FP8 experts in `triton_fused_moe`)
 DEQUANTIZE_SLOTS = 16384
 
 
