@@ -3,7 +3,7 @@
 # rows' +-100 ms, ranks builds only within one call). Here, before the call:  scripts/bench_trees.sh SHA...
 # writes bench-trees/SHA/src (git archive) and bench-trees/py-SHA, a python3 that imports omnistage from it
 # (no uvloop is carried: every tree's uvicorn runs asyncio's loop);
-# bench-trees/ is ignored: carry it (carry [".whl-rt", "bench-trees"]). There, one server per tree:
+# bench-trees/ is ignored: carry it (carry [".whl", "bench-trees"]). There, one server per tree:
 #   for v in SHA HEAD; do py=python3; [[ $v != HEAD ]] && py=$PWD/bench-trees/py-$v
 #     OMNISTAGE_COMMIT=$v BENCH_PYTHON=$py BENCH_VARIANT=$v OUT=$OUT/$v bash scripts/gpu_realtime_bench.sh; done
 set -euo pipefail

@@ -15,7 +15,7 @@
 # without stage overrides of their own, 5-7 (a layout's A/B, e.g. '{"talker": {"max_batch_size": 64}}').
 # At full size one call (600 s) holds 1 alone, or 2-6: run it in parts, each with BENCH_RESUME=FILE (an earlier
 # part's results.json, carried) so that the last part's file holds them all.
-# Device call: carry [".whl-rt"] (+ the resumed file), command:  OMNISTAGE_COMMIT=<sha> BENCH_WHEELS=.whl-rt BENCH_VARIANTS=1 bash scripts/gpu_ablation.sh
+# Device call: carry [".whl"] (+ the resumed file), command:  OMNISTAGE_COMMIT=<sha> BENCH_VARIANTS=1 bash scripts/gpu_ablation.sh
 # Small scale on the CPU (~2 min):
 #   BENCH_PRESET=tiny BENCH_DEVICE=cpu BENCH_ABLATION_C=1,2 BENCH_K=1 BENCH_MAX_TOKENS=4 BENCH_MAX_FRAMES=6 \
 #   BENCH_BUDGET=200 BENCH_PYTHON=/work/main/.venv/bin/python OUT=/tmp/ablation scripts/gpu_ablation.sh

@@ -3,7 +3,7 @@
 # comparison (scripts/fp8_logits.py, fp8 and fp8-all), then an fp8, an fp8-all and a bf16 server (full size, seeded
 # random weights) each with its memory at start (nvidia-smi) and read-aloud P = BENCH_P (160) at c = BENCH_FP8_C
 # (1,64), BENCH_K (4) x c requests a row, rows labelled by server, into $OUT/results.json (+ results.md).
-# Device call: carry [".whl-rt"], command:  OMNISTAGE_COMMIT=<sha> BENCH_WHEELS=.whl-rt bash scripts/gpu_fp8_bench.sh
+# Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_fp8_bench.sh
 # BENCH_FP8_STEPS picks parts ("tests logits fp8 fp8-all bf16"; default all), BENCH_LOGITS the logits' ("fp8 fp8-all").
 set -uo pipefail
 cd "$(dirname "$0")/.."
