@@ -18,19 +18,20 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_moe, triton_ops
+from omnistage.layers import fp8, triton_moe, triton_ops
 
 # NOTE: decode tiles chosen without a GPU (tl.dot needs every dim >= 16): autotune on the H200.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill` on an H100 (`94ddd59`, `cff03bb`), the thinker's at
-# 128 / 512 / 1 024 / 2 048 / 4 096 tokens 0.36 / 0.38 / 0.49 / 0.80 / 1.59 ms against the path before (quantised
-# rows through `_scaled_grouped_mm`, past 16 384 slots the experts dequantised) 0.35 / 0.48 / 0.68 / 1.21 / 1.63
-# (bf16 experts 0.46 / 0.50 / 0.55 / 0.82 / 1.01); the talker's 0.12-0.33 against 0.17-0.51. Within 5 % of the
-# best tile measured at every size (BLOCK_M 128 is 2-5 % faster from 2 048 tokens, 40 % slower at 128)
+# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill`, H100 (`cff03bb`), the thinker's at 128 / 512 / 1 024 /
+# 2 048 / 4 096 tokens 0.36 / 0.38 / 0.49 / 0.80 / 1.59 ms against `_scaled_grouped_mm` (or the experts dequantised)
+# 0.35 / 0.48 / 0.68 / 1.21 / 1.63, bf16 experts 0.46 / 0.50 / 0.55 / 0.82 / 1.01; within 5 % of the best tile
 FP8_PREFILL_TILES = (64, 64, 64, 4, 3)
+# FP8 experts past MAX_SLOTS with their activations quantised per row too (FP8 x FP8 dots, twice bf16's tensor-core
+# rate on Hopper; each GEMM's rows one pass more): off until `moe_tune.py --prefill` measures it
+FP8_PREFILL_DOTS = False
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
 # guess. FP8 experts take it at every size, past it with FP8_PREFILL_TILES.
 MAX_SLOTS = 512
@@ -56,13 +57,14 @@ if triton_ops.triton is not None:
         return e, rows, rows < tl.sum(tl.where(mine, end, 0), 0)
 
     @triton.jit
-    def _expert_gemm_kernel(a_ptr, w_ptr, scale_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn, stride_se,
-                            NUM_EXPERTS: tl.constexpr, N: tl.constexpr, K: tl.constexpr, GATED: tl.constexpr,
-                            HAS_SCALE: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _expert_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn,
+                            stride_se, NUM_EXPERTS: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
+                            GATED: tl.constexpr, HAS_SCALE: tl.constexpr, A_SCALE: tl.constexpr, E_PAD: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[rows, cols] of one block of sorted rows (one expert e) and one column tile: GATED, rows of `a`
         read through `token`, silu(a @ W[e, cols]^T) * (a @ W[e, N + cols]^T); else a[rows] @ W[e, cols]^T.
-        HAS_SCALE: W in FP8, row c of expert e's sums times scale[e, c]."""
+        HAS_SCALE: W in FP8, row c of expert e's sums times scale[e, c]; A_SCALE: `a` in FP8 too (FP8 dots), each
+        row's sums times its a_scale."""
         e, rows, row_m = _block_rows(offs_ptr, tl.program_id(0), NUM_EXPERTS, E_PAD, BLOCK_M)
         if e >= NUM_EXPERTS:
             return
@@ -79,9 +81,15 @@ if triton_ops.triton is not None:
             k_m = k0 + ks < K
             x = tl.load(a + k0, mask=row_m[:, None] & k_m[None, :], other=0.0)
             w_m = col_m[:, None] & k_m[None, :]
-            acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0).to(dt)), acc)
+            w_dt = w_ptr.dtype.element_ty if A_SCALE else dt
+            acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0).to(w_dt)), acc)
             if GATED:
-                acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0).to(dt)), acc_up)
+                acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0).to(w_dt)), acc_up)
+        if A_SCALE:
+            sa = tl.load(a_scale_ptr + src, mask=row_m, other=0.0)[:, None]
+            acc *= sa
+            if GATED:
+                acc_up *= sa
         if HAS_SCALE:
             s = scale_ptr + e.to(tl.int64) * stride_se + cols
             acc *= tl.load(s, mask=col_m, other=0.0)[None, :]
@@ -109,21 +117,23 @@ def tiles(num_slots: int, fp8_experts: bool) -> tuple[int, int, int, int, int]:
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
-                gated: bool, scale: torch.Tensor | None = None) -> torch.Tensor:
+                gated: bool, scale: torch.Tensor | None = None,
+                a_scale: tuple[torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
     """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
     with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N];
-    `scale [E, rows of w]`: `w` is FP8."""
+    `scale [E, rows of w]`: `w` is FP8; `a_scale` (a's row scales, the output's dtype): `a` is FP8 too."""
     a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
     num_experts, n, k = w.shape
     n //= 2 if gated else 1
-    out = a.new_empty(token.numel(), n)
+    out = a.new_empty(token.numel(), n, dtype=a.dtype if a_scale is None else a_scale[1])
     bm, bn, bk, warps, stages = tiles(token.numel(), scale is not None)
     grid = (max_blocks(token.numel(), num_experts, bm), triton.cdiv(n, bn))
     scale_arg = out if scale is None else scale
-    _expert_gemm_kernel[grid](a, w, scale_arg, token, offs, out, w.stride(0), w.stride(1), scale_arg.stride(0),
-                              NUM_EXPERTS=num_experts, N=n, K=k, GATED=gated, HAS_SCALE=scale is not None,
+    _expert_gemm_kernel[grid](a, out if a_scale is None else a_scale[0], w, scale_arg, token, offs, out, w.stride(0),
+                              w.stride(1), scale_arg.stride(0), NUM_EXPERTS=num_experts, N=n, K=k, GATED=gated,
+                              HAS_SCALE=scale is not None, A_SCALE=a_scale is not None,
                               E_PAD=triton.next_power_of_2(num_experts),
                               BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
     return out
@@ -138,5 +148,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
     s13, s2 = (None, None) if scales is None else scales
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
-    act = expert_gemm(x, w_gate_up, token, offs, True, s13)
-    return triton_moe.moe_unpermute(expert_gemm(act, w_down, token, offs, False, s2), weights, pos, shared)
+    if scales is not None and FP8_PREFILL_DOTS and ids.numel() > MAX_SLOTS:
+        q, sa = fp8_rows(x)
+        act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa)
+        q, sa = fp8_rows(act)
+        y = expert_gemm(q, w_down, token, offs, False, s2, sa)
+    else:
+        act = expert_gemm(x, w_gate_up, token, offs, True, s13)
+        y = expert_gemm(act, w_down, token, offs, False, s2)
+    return triton_moe.moe_unpermute(y, weights, pos, shared)
+
+
+def fp8_rows(a: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.dtype]]:
+    """`a` quantised per row (`fp8.quantize_rows`) as `expert_gemm` takes it: (rows, (their scales, a's dtype))."""
+    q, scale = fp8.quantize_rows(a)
+    return q, (scale, a.dtype)
