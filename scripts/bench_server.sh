@@ -9,12 +9,12 @@ stop_server() {
   kill -9 "$SERVER" 2>/dev/null
   SERVER=
 }
-# NOTE: a device call returns at most 8 files from $OUT: at exit all but the results, the figures and bench.log go
-# into $OUT/logs.tgz (BENCH_PACK=0 leaves them)
+# NOTE: a device call returns at most 8 files from $OUT: at exit all but the results and bench.log (figures, logs,
+# traces) go into $OUT/logs.tgz, leaving the caller room for its own (BENCH_PACK=0 leaves them)
 pack_out() {
   [[ ${BENCH_PACK:-1} != 0 && -d $OUT ]] || return 0
   local extra
-  mapfile -t extra < <(cd "$OUT" && ls -A | grep -vxE 'results\.(json|md)|.*\.png|bench\.log|logs\.tgz')
+  mapfile -t extra < <(cd "$OUT" && ls -A | grep -vxE 'results\.(json|md)|bench\.log|logs\.tgz')
   ((${#extra[@]})) || return 0
   (cd "$OUT" && tar czf logs.tgz "${extra[@]}" && rm -rf "${extra[@]}")
 }
