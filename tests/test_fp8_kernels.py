@@ -43,9 +43,8 @@ def test_skinny_gemm_with_fp8_weights(monkeypatch, tiles: tuple | None, m: int) 
     assert rel(triton_linear.linear_silu_mul(x, q, scale), mlp.silu_mul(F.linear(x, w))) < tol
 
 
-@triton_only
-@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4), (130, 4)])  # 520 slots: `FP8_PREFILL_TILES`
-def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
+def fp8_moe_case(t: int, k: int) -> tuple[list, tuple, torch.Tensor]:
+    """(fused_moe's args, the experts' scales, the fp32 reference) for t tokens, top k of 8 small FP8 experts."""
     g = torch.Generator().manual_seed(t)
     e, h, i = 8, 64, 32
     x = torch.randn(t, h, generator=g)
@@ -57,6 +56,13 @@ def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
     scales = (s13.to(DEV), s2.to(DEV))
     ref = moe.fused_experts_reference(*[a.float() if a.is_floating_point() and a.dtype != fp8.FP8 else a
                                         for a in args], scales=scales)
+    return args, scales, ref
+
+
+@triton_only
+@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4), (130, 4)])  # 520 slots: `FP8_PREFILL_TILES`
+def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
+    args, scales, ref = fp8_moe_case(t, k)
     assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
 
 
@@ -65,17 +71,7 @@ def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
 def test_fused_moe_with_fp8_activations(monkeypatch, t: int, k: int) -> None:
     """`FP8_PREFILL_DOTS`: past MAX_SLOTS the rows quantised per row too (FP8 dots), near the reference by about
     E4M3's rounding of each GEMM's input; off, the weight-only path as close as the test above wants."""
-    g = torch.Generator().manual_seed(t)
-    e, h, i = 8, 64, 32
-    x = torch.randn(t, h, generator=g)
-    w13, s13 = fp8.quantize_rows(torch.randn(e, 2 * i, h, generator=g) * h**-0.5)
-    w2, s2 = fp8.quantize_rows(torch.randn(e, h, i, generator=g) * i**-0.5)
-    weights, ids = moe.select_experts(torch.randn(t, e, generator=g), k, True)
-    dtype = torch.bfloat16 if GPU else torch.float32
-    args = [a.to(DEV) for a in (x.to(dtype), w13, w2, weights.to(dtype), ids)]
-    scales = (s13.to(DEV), s2.to(DEV))
-    ref = moe.fused_experts_reference(*[a.float() if a.is_floating_point() and a.dtype != fp8.FP8 else a
-                                        for a in args], scales=scales)
+    args, scales, ref = fp8_moe_case(t, k)
     monkeypatch.setattr(triton_fused_moe, "FP8_PREFILL_DOTS", True)
     assert 1e-3 < rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < 6e-2  # measured: 0.043 (CPU)
     monkeypatch.setattr(triton_fused_moe, "FP8_PREFILL_DOTS", False)

@@ -10,8 +10,9 @@ At decode each hit expert gets 1-2 token rows, so the step is bound by reading t
   weights and sums each token's k rows in a fixed order (deterministic, no atomics).
 It rounds where the grouped path rounds (each GEMM output, the silu, the product, the weighted rows), so only
 the GEMMs' summation order differs. FP8 experts (`scales`, weight-only): E4M3 tiles converted to x's dtype as they
-load, each GEMM's fp32 sums times its expert's row scales before the rounding. The grid is fixed by T*k and E (`max_blocks`): each program finds its
-block's expert from `offs` itself and programs past the last block exit; no host syncs, CUDA-graph capturable.
+load, each GEMM's fp32 sums times its expert's row scales before the rounding. The grid is fixed by T*k and E
+(`max_blocks`): each program finds its block's expert from `offs` itself and programs past the last block exit; no
+host syncs, CUDA-graph capturable.
 """
 
 from __future__ import annotations
@@ -77,11 +78,11 @@ if triton_ops.triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
         dt = out_ptr.dtype.element_ty
+        w_dt = w_ptr.dtype.element_ty if A_SCALE else dt  # FP8 dots, or the weights converted to the rows' dtype
         for k0 in range(0, K, BLOCK_K):
             k_m = k0 + ks < K
             x = tl.load(a + k0, mask=row_m[:, None] & k_m[None, :], other=0.0)
             w_m = col_m[:, None] & k_m[None, :]
-            w_dt = w_ptr.dtype.element_ty if A_SCALE else dt
             acc = tl.dot(x, tl.trans(tl.load(w + k0, mask=w_m, other=0.0).to(w_dt)), acc)
             if GATED:
                 acc_up = tl.dot(x, tl.trans(tl.load(w + N * stride_wn + k0, mask=w_m, other=0.0).to(w_dt)), acc_up)
