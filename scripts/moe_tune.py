@@ -18,9 +18,11 @@ import torch
 from omnistage.layers import fp8, moe, triton_fused_moe
 
 SHAPES = {"thinker": (2048, 768, 128, 8), "talker": (1024, 384, 128, 6)}  # hidden, moe_intermediate, experts, top-k
-TILES = [(16, n, k, w, s) for n, k in itertools.product((32, 64, 128), (64, 128, 256)) for w, s in ((4, 3), (4, 4), (8, 3))]
+TILES = [(16, n, k, w, s) for n, k in itertools.product((32, 64, 128), (64, 128, 256))
+         for w, s in ((4, 3), (4, 4), (8, 3))]
 FP8_TILES = TILES + [(16, n, 512, w, s) for n in (32, 64) for w, s in ((4, 3), (8, 3))]
-PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3), (128, 128, 32, 8, 4)]
+PREFILL_TILES = [(64, 64, 64, 4, 3), (64, 128, 64, 8, 3), (128, 64, 64, 8, 3), (128, 128, 64, 8, 3),
+                 (128, 128, 32, 8, 4), (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (64, 128, 128, 8, 3)]  # K 128: FP8
 
 
 def time_ms(fn, iters: int = 50) -> float:
