@@ -149,18 +149,18 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
     s13, s2 = (None, None) if scales is None else scales
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
-    if scales is not None and FP8_PREFILL_DOTS and ids.numel() > MAX_SLOTS:
-        q, sa = fp8_rows(x)
-        act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa)
-        q, sa = fp8_rows(act)
-        y = expert_gemm(q, w_down, token, offs, False, s2, sa)
-    else:
-        act = expert_gemm(x, w_gate_up, token, offs, True, s13)
-        y = expert_gemm(act, w_down, token, offs, False, s2)
+    dots = scales is not None and FP8_PREFILL_DOTS and ids.numel() > MAX_SLOTS
+    q, sa = fp8_rows(x, dots)
+    act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa)
+    q, sa = fp8_rows(act, dots)
+    y = expert_gemm(q, w_down, token, offs, False, s2, sa)
     return triton_moe.moe_unpermute(y, weights, pos, shared)
 
 
-def fp8_rows(a: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.dtype]]:
-    """`a` quantised per row (`fp8.quantize_rows`) as `expert_gemm` takes it: (rows, (their scales, a's dtype))."""
+def fp8_rows(a: torch.Tensor, quantize: bool) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.dtype] | None]:
+    """(rows, their `a_scale`) as `expert_gemm` takes them: `a` quantised per row (`fp8.quantize_rows`) with (its
+    scales, a's dtype), or `a` as it is and None."""
+    if not quantize:
+        return a, None
     q, scale = fp8.quantize_rows(a)
     return q, (scale, a.dtype)
