@@ -52,7 +52,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--answer-scale", type=float, default=1.0,
                    help="random weights: the forced answer lengths times this (long answers: KV caches that fill)")
     p.add_argument("--voice", default="Ethan")
-    p.add_argument("--variant", default=None, help="label of the server configuration (ablation rows), kept in each row")
+    p.add_argument("--variant", default=None,
+                   help="label of the server configuration (ablation rows), kept in each row")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: an approximation, see docs)")
     p.add_argument("--time-budget", type=float, default=0.0,
                    help="seconds for the whole sweep (0: none); rows share what is left evenly")

@@ -76,3 +76,7 @@ def summarize_turns(turns: list[Turn], *, sessions: int, clip: str, turn_s: floa
     if errors:
         row["errors"] = errors[:5]
     return row
+
+
+def is_realtime(row: dict) -> bool:
+    return row.get("workload") == "realtime"

@@ -1,5 +1,5 @@
 """Results of a run: one JSON ({"meta", "rows"}) that every backend of the run adds its rows to, and the
-markdown table and PNG plots made from it."""
+markdown table made from it (the PNG plots: bench/figures.py, bench/ablation.py)."""
 
 from __future__ import annotations
 
@@ -12,14 +12,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from omnistage.bench.ablation import plot_ablation
-from omnistage.bench.figures import save
+from omnistage.bench.figures import plot
+from omnistage.bench.realtime_metrics import is_realtime
 from omnistage.bench.stage_stats import PHASES
 
 RESULTS = "results.json"
 TABLE = "results.md"
-# file -> (row key, axis label)
-PLOTS = {"throughput.png": ("request_throughput", "requests / s"), "ttfp.png": ("mean_ttfp_ms", "mean TTFP (ms)"),
-         "rtf.png": ("mean_rtf", "mean RTF (below 1: faster than real time)")}
 # markdown column -> (row key, format)
 COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "workload": ("workload", "{}"),
            "media": ("media", "{}"), "P": ("prompt_tokens", "{}"),
@@ -34,8 +32,9 @@ COLUMNS = {"backend": ("backend", "{}"), "variant": ("variant", "{}"), "workload
            "max stall ms": ("max_stall_ms", "{:.0f}"), "E2E ms": ("mean_e2e_ms", "{:.0f}"),
            "E2E p90": ("p90_e2e_ms", "{:.0f}"), "ICG p90 ms": ("p90_icg_ms", "{:.0f}")}
 # the realtime table: column -> (row key, format)
-REALTIME_COLUMNS = {"variant": ("variant", "{}"), "clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"), "sessions": ("concurrency", "{}"),
-                    "stagger s": ("stagger_s", "{:.0f}"), "idle": ("idle_sessions", "{}"), "turns": ("num_turns", "{}"), "failed": ("failed", "{}"),
+REALTIME_COLUMNS = {"variant": ("variant", "{}"), "clip": ("clip", "{}"), "turn s": ("turn_s", "{:.1f}"),
+                    "sessions": ("concurrency", "{}"), "stagger s": ("stagger_s", "{:.0f}"),
+                    "idle": ("idle_sessions", "{}"), "turns": ("num_turns", "{}"), "failed": ("failed", "{}"),
                     "end -> VAD ms": ("mean_speech_end_to_vad_ms", "{:.0f}"),
                     "VAD -> audio ms": ("mean_vad_to_first_audio_ms", "{:.0f}"),
                     "VAD -> audio p90": ("p90_vad_to_first_audio_ms", "{:.0f}"),
@@ -103,10 +102,6 @@ def _cell(row: dict, key: str, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def _is_realtime(row: dict) -> bool:
-    return row.get("workload") == "realtime"
-
-
 def _row_key(row: dict) -> tuple:
     """Rows in order: backend, variant, workload, media, prompt length, concurrency."""
     return (row["backend"], row.get("variant") or "", row.get("workload") or "", row.get("media") or "",
@@ -115,7 +110,7 @@ def _row_key(row: dict) -> tuple:
 
 def markdown(results: dict) -> str:
     meta = results["meta"]
-    chat = [r for r in results["rows"] if not _is_realtime(r)]
+    chat = [r for r in results["rows"] if not is_realtime(r)]
     lines = [(f"Run {meta['date']}, commit `{meta['commit']}`, {meta['device']} x {meta['gpus']}, "
               f"workload {meta['workload']}."), ""]
     lines += [f"- `{run['command']}`" for run in meta.get("runs", [])] + [""]
@@ -132,7 +127,7 @@ def markdown(results: dict) -> str:
 
 def _realtime_lines(rows: list[dict]) -> list[str]:
     """The realtime rows (bench/realtime_metrics.py says what each time is)."""
-    rows = sorted((r for r in rows if _is_realtime(r)),
+    rows = sorted((r for r in rows if is_realtime(r)),
                   key=lambda r: (r.get("variant") or "", r["clip"], r["idle_sessions"], r["concurrency"],
                                  r.get("stagger_s", 0)))
     if not rows:
@@ -175,37 +170,6 @@ def _phase_lines(rows: list[dict]) -> list[str]:
     return _server_table(rows, "phases_ms", cols, lambda p: [[_cell(p, k, "{:.0f}") for k in cols]],
                          "TTFP's parts (server side: mean ms from the server's engine client taking the request to the "
                          "first time it reached each phase, over the row's finished requests):")
-
-
-def plot(results: dict, out_dir: str | Path) -> list[Path]:
-    """throughput / TTFP / RTF against concurrency, one line per (backend, workload, prompt length)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    import matplotlib.ticker
-
-    series: dict[tuple[str, str, int], list[dict]] = {}
-    for row in results["rows"]:
-        if not _is_realtime(row) and row["num_requests"] and not row.get("variant"):  # ablation rows: table only
-            key = (row["backend"], row.get("workload") or "read-aloud", row["prompt_tokens"])
-            series.setdefault(key, []).append(row)
-    paths = []
-    for name, (key, label) in PLOTS.items() if series else ():
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for (backend, workload, p), rows in sorted(series.items()):
-            pts = sorted((r["concurrency"], r[key]) for r in rows if r.get(key) is not None)
-            label = f"{backend} P={p}" if workload == "read-aloud" else f"{backend} {workload}"
-            if pts:
-                ax.plot(*zip(*pts), "o-" if backend == "omnistage" else "s--", label=label)
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(sorted({r["concurrency"] for rows in series.values() for r in rows}))
-        ax.xaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
-        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
-        ax.set(xlabel="concurrency (hf: batch size)", ylabel=label, title=f"{label} ({results['meta']['device']})")
-        ax.grid(True, alpha=0.3)
-        paths.append(save(fig, ax, Path(out_dir) / name))
-    return paths
 
 
 def write_report(out_dir: str | Path) -> list[Path]:
