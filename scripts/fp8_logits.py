@@ -1,10 +1,11 @@
 """FP8 against bf16 at full size on the GPU (issue 23): the thinker and the talker built with seeded random weights
 (`--load-format dummy`), a prompt of random text ids run through each decoder; then the same modules quantised in
-place (`--quantization`, fp8 or fp8-all) and run again. Per layer and for the logits: relative error and cosine; the share of
-positions whose argmax agrees (teacher-forced, as 64+ greedy steps would be scored). Random weights: a check of the
-kernels' and scales' arithmetic at the real shapes, not of speech quality.
+place (`--quantization`, fp8 or fp8-all) and run again. Per layer and for the logits: relative error and cosine; the
+share of positions whose argmax agrees (teacher-forced, as 64+ greedy steps would be scored). Random weights: a check
+of the kernels' and scales' arithmetic at the real shapes, not of speech quality.
 
-    python scripts/fp8_logits.py MODEL_DIR [--tokens 320] [--device cuda] [--quantization fp8] [--json FILE]
+    python scripts/fp8_logits.py MODEL_DIR [--tokens 320] [--device cuda] [--quantization fp8] [--json FILE] \
+        [--weight-only]  (also without FP8 dots in the experts' prefill, under "weight_only")
 (MODEL_DIR: a folder with the checkpoint's config.json, e.g. scripts/bench_model_dir.py's.)
 """
 
@@ -12,11 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from unittest import mock
 
 import torch
 import torch.nn.functional as F
 
 from omnistage.config_rules import QUANTIZATIONS
+from omnistage.layers import triton_fused_moe
 from omnistage.layers.attention import allocate_kv_cache
 from omnistage.layers.context import StaticBlockAllocator, forward_context
 from omnistage.models.qwen3_omni.model import build_stage, load_config, quantize_stage
@@ -48,7 +52,7 @@ def compare(ref: list[torch.Tensor], got: list[torch.Tensor]) -> dict:
             "argmax_agree": round(agree, 4), "positions": len(cos)}
 
 
-def stage_check(config, stage: str, tokens: int, device: str, quantization: str) -> dict:
+def stage_check(config, stage: str, tokens: int, device: str, quantization: str, weight_only: bool) -> dict:
     m = build_stage(config, stage, load_format="dummy", device=device, dtype=torch.bfloat16)
     g = torch.Generator(device=device).manual_seed(0)
     if stage == "thinker":
@@ -63,7 +67,12 @@ def stage_check(config, stage: str, tokens: int, device: str, quantization: str)
     quantize_stage(m, quantization)
     after = sum(t.nbytes for t in [*m.parameters(), *m.buffers()])
     got = run(m, embeds, head)
-    return {"stage": stage, "quantization": quantization, "bf16_gb": round(before / 1e9, 2), "fp8_gb": round(after / 1e9, 2), **compare(ref, got)}
+    row = {"stage": stage, "quantization": quantization, "bf16_gb": round(before / 1e9, 2),
+           "fp8_gb": round(after / 1e9, 2), **compare(ref, got)}
+    if weight_only:
+        with mock.patch.object(triton_fused_moe, "FP8_DOTS_HIDDEN", sys.maxsize):
+            row["weight_only"] = compare(ref, run(m, embeds, head))
+    return row
 
 
 def main() -> None:
@@ -73,11 +82,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--quantization", default="fp8", choices=QUANTIZATIONS)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--weight-only", action="store_true")
     args = ap.parse_args()
     config = load_config(args.model_dir)
     rows = []
     for s in ("thinker", "talker"):
-        rows.append(stage_check(config, s, args.tokens, args.device, args.quantization))
+        rows.append(stage_check(config, s, args.tokens, args.device, args.quantization, args.weight_only))
         torch.cuda.empty_cache()
     for r in rows:
         print(json.dumps(r))

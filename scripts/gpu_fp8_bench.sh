@@ -4,7 +4,8 @@
 # random weights) each with its memory at start (nvidia-smi) and read-aloud P = BENCH_P (160) at c = BENCH_FP8_C
 # (1,64), BENCH_K (4) x c requests a row, rows labelled by server, into $OUT/results.json (+ results.md).
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_fp8_bench.sh
-# BENCH_FP8_STEPS picks parts ("tests logits fp8 fp8-all bf16"; default all), BENCH_LOGITS the logits' ("fp8 fp8-all").
+# BENCH_FP8_STEPS picks parts ("tests logits fp8 fp8-all bf16"; default all), BENCH_LOGITS the logits' ("fp8 fp8-all"),
+# BENCH_LOGITS_ARGS more fp8_logits.py flags ("--tokens 1024 --weight-only").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=560
@@ -15,7 +16,8 @@ TESTS=${BENCH_TESTS:-tests/test_fp8_kernels.py tests/test_fp8_weights.py tests/t
 has tests && run_tests $TESTS
 if has logits; then
   for q in ${BENCH_LOGITS:-fp8 fp8-all}; do
-    timeout 150 "$PY" scripts/fp8_logits.py "$MODEL" --quantization $q --json "$OUT/logits-$q.json" > "$OUT/logits-$q.log" 2>&1
+    timeout 150 "$PY" scripts/fp8_logits.py "$MODEL" --quantization $q ${BENCH_LOGITS_ARGS:-} --json "$OUT/logits-$q.json" \
+      > "$OUT/logits-$q.log" 2>&1
     echo "[$((SECONDS - T0)) s] logits $q rc=$?"
     tail -2 "$OUT/logits-$q.log"
   done

@@ -81,21 +81,24 @@ def tune(h: int, i: int, e: int, k: int, t: int, fp8_experts: bool = False) -> d
 def prefill(h: int, i: int, e: int, k: int, t: int) -> dict:
     """Prefill sizes (past `MAX_SLOTS`): the grouped GEMMs with bf16 experts, with FP8 ones (activations quantised
     per row, `torch._scaled_grouped_mm`), that quantisation alone, and the fused kernel's FP8 loads (the path
-    `moe.fused_experts` takes for FP8 experts) at prefill tiles (`triton_fused_moe.FP8_PREFILL_TILES`), with bf16
-    rows ("fused") and with rows quantised too ("dots", `FP8_PREFILL_DOTS`)."""
+    `moe.fused_experts` takes for FP8 experts) as `triton_fused_moe.prefill_plan` picks ("fp8_plan") and at each
+    prefill tile, with bf16 rows ("fused") and with rows quantised too ("dots")."""
     args = case(h, i, e, k, t)
     (q13, s13), (q2, s2) = fp8.quantize_rows(args[1]), fp8.quantize_rows(args[2])
     quant = (args[0], q13, q2, args[3], args[4], True, None, (s13, s2))
     res = {"bf16_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True), 10),
            "fp8_grouped_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
-           "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10)}
+           "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10),
+           "fp8_plan_ms": time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)}
+    plan = triton_fused_moe.prefill_plan
     for (tile, dots) in itertools.product(PREFILL_TILES, (False, True)):
-        triton_fused_moe.FP8_PREFILL_TILES, triton_fused_moe.FP8_PREFILL_DOTS = tile, dots
+        triton_fused_moe.prefill_plan = lambda *_, tile=tile, dots=dots: (tile, dots)
         name = f"fp8_{'dots' if dots else 'fused'}_{tile}_ms"
         try:
             res[name] = time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)
         except Exception as ex:  # NOTE: a tile past the shared-memory limit fails to launch; keep the others
             res[name] = repr(ex)[:120]
+    triton_fused_moe.prefill_plan = plan
     print(f"t={t} h={h}: " + ", ".join(f"{n} {ms:.3f}" for n, ms in res.items() if isinstance(ms, float)), flush=True)
     return res
 

@@ -43,10 +43,10 @@ def test_skinny_gemm_with_fp8_weights(monkeypatch, tiles: tuple | None, m: int) 
     assert rel(triton_linear.linear_silu_mul(x, q, scale), mlp.silu_mul(F.linear(x, w))) < tol
 
 
-def fp8_moe_case(t: int, k: int) -> tuple[list, tuple, torch.Tensor]:
-    """(fused_moe's args, the experts' scales, the fp32 reference) for t tokens, top k of 8 small FP8 experts."""
+def fp8_moe_case(t: int, k: int, e: int = 8) -> tuple[list, tuple, torch.Tensor]:
+    """(fused_moe's args, the experts' scales, the fp32 reference) for t tokens, top k of e small FP8 experts."""
     g = torch.Generator().manual_seed(t)
-    e, h, i = 8, 64, 32
+    h, i = 64, 32
     x = torch.randn(t, h, generator=g)
     w13, s13 = fp8.quantize_rows(torch.randn(e, 2 * i, h, generator=g) * h**-0.5)
     w2, s2 = fp8.quantize_rows(torch.randn(e, h, i, generator=g) * i**-0.5)
@@ -60,21 +60,36 @@ def fp8_moe_case(t: int, k: int) -> tuple[list, tuple, torch.Tensor]:
 
 
 @triton_only
-@pytest.mark.parametrize("t,k", [(1, 2), (7, 3), (20, 4), (130, 4)])  # 520 slots: `FP8_PREFILL_TILES`
-def test_fused_moe_with_fp8_experts(t: int, k: int) -> None:
-    args, scales, ref = fp8_moe_case(t, k)
+@pytest.mark.parametrize("t,k,e", [(1, 2, 8), (7, 3, 8), (20, 4, 8), (130, 4, 8), (130, 4, 32)])
+def test_fused_moe_with_fp8_experts(t: int, k: int, e: int) -> None:
+    """Past 512 slots `prefill_plan`'s tiles: 520 of 8 experts the 128-row ones, of 32 the 32-row ones."""
+    args, scales, ref = fp8_moe_case(t, k, e)
     assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
 
 
+@pytest.mark.parametrize("tokens,k,hidden,plan", [
+    (160, 8, 2048, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)),  # the thinker's and talker's shapes
+    (640, 8, 2048, (triton_fused_moe.FP8_DOTS_TILES, True)), (4096, 8, 2048, (triton_fused_moe.FP8_DOTS_TILES, True)),
+    (640, 6, 1024, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)),
+    (2048, 6, 1024, (triton_fused_moe.FP8_MANY_ROWS_TILES, False))])
+def test_prefill_plan(tokens: int, k: int, hidden: int, plan: tuple) -> None:
+    assert triton_fused_moe.prefill_plan(tokens * k, 128, hidden) == plan
+
+
 @triton_only
-@pytest.mark.parametrize("t,k", [(130, 4), (300, 2)])  # 520 / 600 slots
-def test_fused_moe_with_fp8_activations(monkeypatch, t: int, k: int) -> None:
-    """`FP8_PREFILL_DOTS`: past MAX_SLOTS the rows quantised per row too (FP8 dots), near the reference by about
-    E4M3's rounding of each GEMM's input; off, the weight-only path as close as the test above wants."""
-    args, scales, ref = fp8_moe_case(t, k)
-    monkeypatch.setattr(triton_fused_moe, "FP8_PREFILL_DOTS", True)
-    assert 1e-3 < rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < 6e-2  # measured: 0.043 (CPU)
-    monkeypatch.setattr(triton_fused_moe, "FP8_PREFILL_DOTS", False)
+@pytest.mark.parametrize("t,k,e", [(130, 4, 8), (300, 2, 8), (130, 4, 32)])  # 520 / 600 slots
+def test_fused_moe_with_fp8_activations(monkeypatch, t: int, k: int, e: int) -> None:
+    """FP8 dots (hidden >= `FP8_DOTS_HIDDEN` past MAX_SLOTS, once the experts average 32 rows): the rows quantised
+    per row too, near the reference by about E4M3's rounding of each GEMM's input; weight-only (the hidden size
+    below it, or fewer rows) as close as the test above wants."""
+    args, scales, ref = fp8_moe_case(t, k, e)
+    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS_HIDDEN", 64)
+    err = rel(triton_fused_moe.fused_moe(*args, scales=scales), ref)
+    if e == 8:
+        assert 1e-3 < err < 6e-2  # measured: 0.043 (CPU)
+    else:
+        assert err < (2e-2 if GPU else 1e-5)
+    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS_HIDDEN", 128)
     assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
 
 

@@ -10,7 +10,8 @@ At decode each hit expert gets 1-2 token rows, so the step is bound by reading t
   weights and sums each token's k rows in a fixed order (deterministic, no atomics).
 It rounds where the grouped path rounds (each GEMM output, the silu, the product, the weighted rows), so only
 the GEMMs' summation order differs. FP8 experts (`scales`, weight-only): E4M3 tiles converted to x's dtype as they
-load, each GEMM's fp32 sums times its expert's row scales before the rounding. The grid is fixed by T*k and E
+load, each GEMM's fp32 sums times its expert's row scales before the rounding; at some prefill sizes the rows are
+quantised too, for FP8 x FP8 dots (`prefill_plan`). The grid is fixed by T*k and E
 (`max_blocks`): each program finds its block's expert from `offs` itself and programs past the last block exit; no
 host syncs, CUDA-graph capturable.
 """
@@ -26,15 +27,15 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# FP8 experts past MAX_SLOTS (prefill): `moe_tune.py --prefill`, H100 (`cff03bb`), the thinker's at 128 / 512 / 1 024 /
-# 2 048 / 4 096 tokens 0.36 / 0.38 / 0.49 / 0.80 / 1.59 ms against `_scaled_grouped_mm` (or the experts dequantised)
-# 0.35 / 0.48 / 0.68 / 1.21 / 1.63, bf16 experts 0.46 / 0.50 / 0.55 / 0.82 / 1.01; within 5 % of the best tile
-FP8_PREFILL_TILES = (64, 64, 64, 4, 3)
-# FP8 experts past MAX_SLOTS with their activations quantised per row too (FP8 x FP8 dots, twice bf16's tensor-core
-# rate on Hopper; each GEMM's rows one pass more): off until `moe_tune.py --prefill` measures it
-FP8_PREFILL_DOTS = False
+# FP8 experts past MAX_SLOTS (prefill), `prefill_plan`: `moe_tune.py --prefill`, H100 (`5642664`), ms a layer,
+# thinker | talker. While the experts average under 32 rows, 32-row K-128 tiles: 160 tokens 0.27 | 0.09, 640 - | 0.11
+# (64-row K-64 tiles 0.36 | 0.12, - | 0.14). Past that the thinker's rows (hidden >= FP8_DOTS_HIDDEN) are quantised
+# per row too for FP8 x FP8 dots, 64-row K-128 tiles: 640 / 2 048 / 4 096 tokens 0.37 / 0.67 / 1.24 (0.39 / 0.84 /
+# 1.66); the talker's weight-only with 128-row tiles: 2 048 / 4 096 tokens 0.21 / 0.39 (0.23 / 0.40).
+FP8_FEW_ROWS_TILES, FP8_DOTS_TILES, FP8_MANY_ROWS_TILES = (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3)
+FP8_DOTS_HIDDEN = 2048
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
-# guess. FP8 experts take it at every size, past it with FP8_PREFILL_TILES.
+# guess. FP8 experts take it at every size, past it as `prefill_plan` says.
 MAX_SLOTS = 512
 
 if triton_ops.triton is not None:
@@ -109,27 +110,39 @@ def max_blocks(num_slots: int, num_experts: int, block_m: int = BLOCK_M) -> int:
     return triton.cdiv(num_slots, block_m) + min(num_slots, num_experts)
 
 
-def tiles(num_slots: int, fp8_experts: bool) -> tuple[int, int, int, int, int]:
-    if fp8_experts and num_slots > MAX_SLOTS:
-        return FP8_PREFILL_TILES
+Tiles = tuple[int, int, int, int, int]
+
+
+def tiles(fp8_experts: bool) -> Tiles:
+    """Decode-size tiles (up to MAX_SLOTS; FP8 experts past it: `prefill_plan`)."""
     if fp8_experts and FP8_TILES is not None:
         return FP8_TILES
     return BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES
 
 
+def prefill_plan(num_slots: int, num_experts: int, hidden: int) -> tuple[Tiles, bool]:
+    """FP8 experts past MAX_SLOTS: (tiles, whether each GEMM's rows are quantised for FP8 x FP8 dots)."""
+    if num_slots < 32 * num_experts:
+        return FP8_FEW_ROWS_TILES, False
+    if hidden >= FP8_DOTS_HIDDEN:
+        return FP8_DOTS_TILES, True
+    return FP8_MANY_ROWS_TILES, False
+
+
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
                 gated: bool, scale: torch.Tensor | None = None,
-                a_scale: tuple[torch.Tensor, torch.dtype] | None = None) -> torch.Tensor:
+                a_scale: tuple[torch.Tensor, torch.dtype] | None = None, tile: Tiles | None = None) -> torch.Tensor:
     """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
     with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N];
-    `scale [E, rows of w]`: `w` is FP8; `a_scale` (a's row scales, the output's dtype): `a` is FP8 too."""
+    `scale [E, rows of w]`: `w` is FP8; `a_scale` (a's row scales, the output's dtype): `a` is FP8 too; `tile`:
+    the tiles, else `tiles`'."""
     a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
     num_experts, n, k = w.shape
     n //= 2 if gated else 1
     out = a.new_empty(token.numel(), n, dtype=a.dtype if a_scale is None else a_scale[1])
-    bm, bn, bk, warps, stages = tiles(token.numel(), scale is not None)
+    bm, bn, bk, warps, stages = tile or tiles(scale is not None)
     grid = (max_blocks(token.numel(), num_experts, bm), triton.cdiv(n, bn))
     scale_arg = out if scale is None else scale
     _expert_gemm_kernel[grid](a, out if a_scale is None else a_scale[0], w, scale_arg, token, offs, out, w.stride(0),
@@ -149,11 +162,13 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     # NOTE: on a GPU tl.dot multiplies fp32 inputs in tf32: `fused_experts` sends only bf16 here.
     s13, s2 = (None, None) if scales is None else scales
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
-    dots = scales is not None and FP8_PREFILL_DOTS and ids.numel() > MAX_SLOTS
+    tile, dots = None, False
+    if scales is not None and ids.numel() > MAX_SLOTS:
+        tile, dots = prefill_plan(ids.numel(), w_gate_up.shape[0], x.shape[1])
     q, sa = fp8_rows(x, dots)
-    act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa)
+    act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa, tile)
     q, sa = fp8_rows(act, dots)
-    y = expert_gemm(q, w_down, token, offs, False, s2, sa)
+    y = expert_gemm(q, w_down, token, offs, False, s2, sa, tile)
     return triton_moe.moe_unpermute(y, weights, pos, shared)
 
 
