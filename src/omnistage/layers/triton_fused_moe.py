@@ -27,11 +27,11 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# FP8 experts past MAX_SLOTS (prefill), `prefill_plan`: `moe_tune.py --prefill`, H100 (`5642664`), ms a layer,
-# thinker | talker. While the experts average under 32 rows, 32-row K-128 tiles: 160 tokens 0.27 | 0.09, 640 - | 0.11
-# (64-row K-64 tiles 0.36 | 0.12, - | 0.14). Past that the thinker's rows (hidden >= FP8_DOTS_HIDDEN) are quantised
-# per row too for FP8 x FP8 dots, 64-row K-128 tiles: 640 / 2 048 / 4 096 tokens 0.37 / 0.67 / 1.24 (0.39 / 0.84 /
-# 1.66); the talker's weight-only with 128-row tiles: 2 048 / 4 096 tokens 0.21 / 0.39 (0.23 / 0.40).
+# FP8 experts past MAX_SLOTS (prefill), `prefill_plan`: `moe_tune.py --prefill`, H100 (`5642664`), ms a layer against
+# the 64-row K-64 tiles before it. While the experts average under 32 rows: 32-row K-128 tiles, 160 tokens thinker
+# 0.27 (0.36), talker 0.09 (0.12), talker 640 tokens 0.11 (0.14). Past that the thinker (hidden >= FP8_DOTS_HIDDEN)
+# quantises its rows per row too for FP8 x FP8 dots with 64-row K-128 tiles, 640 / 2 048 / 4 096 tokens 0.37 / 0.67
+# / 1.24 (0.39 / 0.84 / 1.66); the talker stays weight-only with 128-row tiles, 2 048 / 4 096 0.21 / 0.39 (0.23 / 0.40).
 FP8_FEW_ROWS_TILES, FP8_DOTS_TILES, FP8_MANY_ROWS_TILES = (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3)
 FP8_DOTS_HIDDEN = 2048
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
@@ -135,7 +135,7 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
     """Per sorted row of expert e (`token`, `offs` from `moe_align`): gated, `silu_mul(a[token] @ w[e]^T)`
     with `w [E, 2N, K]` -> [T*k, N]; else `a @ w[e]^T` with `a [T*k, K]`, `w [E, N, K]` -> [T*k, N];
     `scale [E, rows of w]`: `w` is FP8; `a_scale` (a's row scales, the output's dtype): `a` is FP8 too; `tile`:
-    the tiles, else `tiles`'."""
+    its tiles (default `tiles()`)."""
     a = a.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
