@@ -89,6 +89,7 @@ def prefill(h: int, i: int, e: int, k: int, t: int) -> dict:
     res = {"bf16_ms": time_ms(lambda: moe.fused_experts_grouped(*args, True), 10),
            "fp8_grouped_ms": time_ms(lambda: moe.fused_experts_grouped(*quant), 10),
            "quantize_x_ms": time_ms(lambda: fp8.quantize_rows(args[0]), 10),
+           "quantize_x_reference_ms": time_ms(lambda: fp8.quantize_rows_reference(args[0]), 10),
            "fp8_plan_ms": time_ms(lambda: moe.fused_experts(*quant[:5], scales=(s13, s2)), 10)}
     plan = triton_fused_moe.prefill_plan
     for (tile, dots) in itertools.product(PREFILL_TILES, (False, True)):

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from conftest import KERNEL_DEVICE as DEV
 
-from omnistage.layers import fp8, linear, mlp, moe, triton_fused_moe, triton_linear, triton_ops
+from omnistage.layers import fp8, linear, mlp, moe, triton_fused_moe, triton_linear, triton_ops, triton_quant
 
 GPU = DEV == "cuda"
 triton_only = pytest.mark.skipif(triton_ops.triton is None, reason="needs Triton")
@@ -18,6 +18,36 @@ cuda_only = pytest.mark.skipif(not GPU, reason="the CUDA paths (_scaled_mm, _sca
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def e4m3_boundaries() -> torch.Tensor:
+    """Every finite E4M3 value, the midpoints between neighbours and the fp32 values just either side of each
+    midpoint, both signs, 0 and -0.0: each rounding decision of fp32 -> E4M3 (the subnormals' and the carries into
+    the exponent among them)."""
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(fp8.FP8).float()
+    mid = (grid[1:] + grid[:-1]) / 2
+    pos = torch.cat([grid, mid, torch.nextafter(mid, grid[1:]), torch.nextafter(mid, grid[:-1])])
+    return torch.cat([pos, -pos])
+
+
+@triton_only
+@pytest.mark.parametrize("shape", [(5, 300), (2, 3, 2048), (0, 64), (3, 1010)])
+def test_quantize_rows_kernel_is_the_reference(shape: tuple) -> None:
+    """Bytes and scales bitwise: random values over E4M3's whole range (an all-zero row too), and in a row whose
+    amax is 448 (scale 1) every rounding boundary (`e4m3_boundaries`, 1 010 values)."""
+    g = torch.Generator().manual_seed(len(shape))
+    t = torch.randn(shape, generator=g) * torch.logspace(-6, 3, shape[-1])
+    if t.numel():
+        t.view(-1, shape[-1])[0] = 0
+    if shape[-1] == 1010:
+        t.view(-1, shape[-1])[1] = e4m3_boundaries()
+    for dtype in (torch.float32, torch.bfloat16) if GPU else (torch.float32,):
+        x = t.to(DEV, dtype)
+        q, scale = triton_quant.quantize_rows(x, fp8.FP8, fp8.FP8_MAX, fp8.MIN_SCALE)
+        ref_q, ref_scale = fp8.quantize_rows_reference(x)
+        assert q.shape == t.shape and scale.shape == t.shape[:-1]
+        assert torch.equal(scale, ref_scale)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
 
 
 def fp8_operands(n: int, k: int, m: int, seed: int) -> tuple[torch.Tensor, ...]:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from omnistage.layers import triton_ops, triton_quant
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = 1e-12  # NOTE: an all-zero row keeps a finite scale, so its values quantise to exact zeros
@@ -15,7 +17,14 @@ MIN_SCALE = 1e-12  # NOTE: an all-zero row keeps a finite scale, so its values q
 def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(`t` in E4M3 with each last-dim row scaled to its amax, fp32 scales `t.shape[:-1]`); `dequantize` inverts
     it within E4M3's rounding (3 mantissa bits: each element within 2^-4 of itself, or of 2^-9 x its row scale
-    below the normal range)."""
+    below the normal range). On the fast path one Triton kernel, bitwise the same."""
+    if triton_ops.fast_path(t) and t.shape[-1] <= triton_quant.MAX_COLS:
+        return triton_quant.quantize_rows(t, FP8, FP8_MAX, MIN_SCALE)
+    return quantize_rows_reference(t)
+
+
+def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_rows` in torch's ops (any device)."""
     scale = (t.abs().amax(dim=-1).float() / FP8_MAX).clamp(min=MIN_SCALE)
     q = (t.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
