@@ -91,35 +91,36 @@ def fp8_moe_case(t: int, k: int, e: int = 8) -> tuple[list, tuple, torch.Tensor]
 
 @triton_only
 @pytest.mark.parametrize("t,k,e", [(1, 2, 8), (7, 3, 8), (20, 4, 8), (130, 4, 8), (130, 4, 32)])
-def test_fused_moe_with_fp8_experts(t: int, k: int, e: int) -> None:
-    """Past 512 slots `prefill_plan`'s tiles: 520 of 8 experts the 128-row ones, of 32 the 32-row ones."""
+def test_fused_moe_with_fp8_experts(monkeypatch, t: int, k: int, e: int) -> None:
+    """Weight-only (`FP8_DOTS` off); past 512 slots `prefill_plan`'s tiles: 520 of 8 experts the 64-row ones, of 32
+    the 32-row ones."""
+    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS", False)
     args, scales, ref = fp8_moe_case(t, k, e)
     assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
 
 
-@pytest.mark.parametrize("tokens,k,hidden,plan", [
-    (160, 8, 2048, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)),  # the thinker's and talker's shapes
-    (640, 8, 2048, (triton_fused_moe.FP8_DOTS_TILES, True)), (4096, 8, 2048, (triton_fused_moe.FP8_DOTS_TILES, True)),
-    (640, 6, 1024, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)),
-    (2048, 6, 1024, (triton_fused_moe.FP8_MANY_ROWS_TILES, False))])
-def test_prefill_plan(tokens: int, k: int, hidden: int, plan: tuple) -> None:
-    assert triton_fused_moe.prefill_plan(tokens * k, 128, hidden) == plan
+@pytest.mark.parametrize("tokens,k,plan", [
+    (160, 8, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)),  # the thinker's (top 8) and talker's (top 6) shapes
+    (640, 8, (triton_fused_moe.FP8_DOTS_TILES, True)), (4096, 8, (triton_fused_moe.FP8_DOTS_TILES, True)),
+    (640, 6, (triton_fused_moe.FP8_FEW_ROWS_TILES, False)), (2048, 6, (triton_fused_moe.FP8_DOTS_TILES, True))])
+def test_prefill_plan(tokens: int, k: int, plan: tuple) -> None:
+    assert triton_fused_moe.prefill_plan(tokens * k, 128) == plan
 
 
 @triton_only
 @pytest.mark.parametrize("t,k,e", [(130, 4, 8), (300, 2, 8), (130, 4, 32)])  # 520 / 600 slots
 def test_fused_moe_with_fp8_activations(monkeypatch, t: int, k: int, e: int) -> None:
-    """FP8 dots (hidden >= `FP8_DOTS_HIDDEN` past MAX_SLOTS, once the experts average 32 rows): the rows quantised
-    per row too, near the reference by about E4M3's rounding of each GEMM's input; weight-only (the hidden size
-    below it, or fewer rows) as close as the test above wants."""
+    """FP8 dots (past MAX_SLOTS, once the experts average 32 rows): the rows quantised per row too, near the
+    reference by about E4M3's rounding of each GEMM's input; weight-only (fewer rows, or `FP8_DOTS` off) as close
+    as the test above wants."""
     args, scales, ref = fp8_moe_case(t, k, e)
-    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS_HIDDEN", 64)
+    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS", True)
     err = rel(triton_fused_moe.fused_moe(*args, scales=scales), ref)
     if e == 8:
         assert 1e-3 < err < 6e-2  # measured: 0.043 (CPU)
     else:
         assert err < (2e-2 if GPU else 1e-5)
-    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS_HIDDEN", 128)
+    monkeypatch.setattr(triton_fused_moe, "FP8_DOTS", False)
     assert rel(triton_fused_moe.fused_moe(*args, scales=scales), ref) < (2e-2 if GPU else 1e-5)
 
 
@@ -141,7 +142,7 @@ def test_cuda_linear_paths(m: int) -> None:
 
 
 @cuda_only
-@pytest.mark.parametrize("t", [8, 300, 2100])  # 64 / 2400 / 16800 slots: the fused kernel's decode / prefill tiles
+@pytest.mark.parametrize("t", [8, 300, 2100])  # 64 / 2400 / 16800 slots: decode tiles, weight-only and dots prefill
 def test_cuda_moe_paths(t: int) -> None:
     g = torch.Generator().manual_seed(t)
     e, h, i, k = 128, 2048, 768, 8  # the thinker's experts
@@ -150,4 +151,4 @@ def test_cuda_moe_paths(t: int) -> None:
     x = torch.randn(t, h, generator=g).cuda().bfloat16()
     weights, ids = moe.select_experts(torch.randn(t, e, generator=g).cuda().bfloat16(), k, True)
     ref = moe.fused_experts_reference(x.float(), w13, w2, weights.float(), ids, scales=(s13, s2))
-    assert rel(moe.fused_experts(x, w13, w2, weights, ids, scales=(s13, s2)), ref) < 2e-2
+    assert rel(moe.fused_experts(x, w13, w2, weights, ids, scales=(s13, s2)), ref) < (6e-2 if t > 512 else 2e-2)

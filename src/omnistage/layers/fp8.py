@@ -1,4 +1,4 @@
-"""FP8 weights (`quantization: fp8`): E4M3 values with one fp32 scale per output row (amax / 448; experts: per
+"""FP8 weights (`quantization: fp8`): E4M3 values with one fp32 scale per output row (amax x (1 / 448); experts: per
 expert per row), made from the stage's weights at load. `layers.linear.linear` and `layers.moe.fused_experts` choose
 the path; here the pieces: rows quantised (weights once, activations per token on the fly), the reference
 dequantisation, and `torch._scaled_mm` with rowwise scales (CUDA, rows past the skinny GEMMs' decode sizes)."""
@@ -25,7 +25,8 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch's ops (any device)."""
-    scale = (t.abs().amax(dim=-1).float() / FP8_MAX).clamp(min=MIN_SCALE)
+    # NOTE: x (1 / 448), not / 448: CUDA torch divides by a scalar so, the CPU does not; this way both agree bitwise
+    scale = (t.abs().amax(dim=-1).float() * (1 / FP8_MAX)).clamp(min=MIN_SCALE)
     q = (t.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
 

@@ -27,13 +27,13 @@ BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
 # FP8 experts' tiles (the same five; None: the bf16 ones): `scripts/moe_tune.py --fp8` on the H200 (`b655ffb`),
 # within 0.5 % of each shape's best at 1 / 16 / 64 tokens; thinker, 64 tokens: 0.208 ms (bf16 experts 0.291)
 FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
-# FP8 experts past MAX_SLOTS (prefill), `prefill_plan`: `moe_tune.py --prefill`, H100 (`5642664`), ms a layer against
-# the 64-row K-64 tiles before it. While the experts average under 32 rows: 32-row K-128 tiles, 160 tokens thinker
-# 0.27 (0.36), talker 0.09 (0.12), talker 640 tokens 0.11 (0.14). Past that the thinker (hidden >= FP8_DOTS_HIDDEN)
-# quantises its rows per row too for FP8 x FP8 dots with 64-row K-128 tiles, 640 / 2 048 / 4 096 tokens 0.37 / 0.67
-# / 1.24 (0.39 / 0.84 / 1.66); the talker stays weight-only with 128-row tiles, 2 048 / 4 096 0.21 / 0.39 (0.23 / 0.40).
-FP8_FEW_ROWS_TILES, FP8_DOTS_TILES, FP8_MANY_ROWS_TILES = (32, 64, 128, 4, 3), (64, 64, 128, 4, 3), (128, 64, 64, 8, 3)
-FP8_DOTS_HIDDEN = 2048
+# FP8 experts past MAX_SLOTS (prefill), `prefill_plan`: `moe_tune.py --prefill`, H100 (`9f0e541`), ms a layer,
+# thinker | talker (bf16 experts' grouped GEMMs). While the experts average under 32 rows: weight-only 32-row K-128
+# tiles, 160 tokens 0.26 | 0.09 (0.47 | 0.15). Past that each GEMM's rows are quantised per row too (one kernel,
+# `fp8.quantize_rows`) for FP8 x FP8 dots with 64-row K-128 tiles: 640 / 2 048 / 4 096 tokens thinker 0.28 / 0.46 /
+# 0.83 (0.51 / 0.82 / 1.00); talker 2 048 / 4 096 0.17 / 0.28, where weight-only's best tiles took 0.21 / 0.38.
+FP8_FEW_ROWS_TILES, FP8_DOTS_TILES = (32, 64, 128, 4, 3), (64, 64, 128, 4, 3)
+FP8_DOTS = True  # off: weight-only at every size (`scripts/fp8_logits.py --weight-only` scores the dots against it)
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
 # guess. FP8 experts take it at every size, past it as `prefill_plan` says.
 MAX_SLOTS = 512
@@ -120,13 +120,11 @@ def tiles(fp8_experts: bool) -> Tiles:
     return BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES
 
 
-def prefill_plan(num_slots: int, num_experts: int, hidden: int) -> tuple[Tiles, bool]:
+def prefill_plan(num_slots: int, num_experts: int) -> tuple[Tiles, bool]:
     """FP8 experts past MAX_SLOTS: (tiles, whether each GEMM's rows are quantised for FP8 x FP8 dots)."""
     if num_slots < 32 * num_experts:
         return FP8_FEW_ROWS_TILES, False
-    if hidden >= FP8_DOTS_HIDDEN:
-        return FP8_DOTS_TILES, True
-    return FP8_MANY_ROWS_TILES, False
+    return FP8_DOTS_TILES, FP8_DOTS
 
 
 def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: torch.Tensor,
@@ -164,7 +162,7 @@ def fused_moe(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, we
     token, pos, offs = triton_moe.moe_align(ids, w_gate_up.shape[0])
     tile, dots = None, False
     if scales is not None and ids.numel() > MAX_SLOTS:
-        tile, dots = prefill_plan(ids.numel(), w_gate_up.shape[0], x.shape[1])
+        tile, dots = prefill_plan(ids.numel(), w_gate_up.shape[0])
     q, sa = fp8_rows(x, dots)
     act = expert_gemm(q, w_gate_up, token, offs, True, s13, sa, tile)
     q, sa = fp8_rows(act, dots)

@@ -1,9 +1,9 @@
 """Per-row FP8 quantisation (Triton) for the CUDA fast path (`fp8.quantize_rows` picks it): one kernel a row instead
 of torch's six passes over the tensor (abs, amax, float, divide, clamp, convert), as FP8 activations need it per
-token (`fp8.scaled_mm`, the FP8 experts' prefill dots). Bitwise the reference: the same fp32 amax, IEEE divisions
-and clamp, then round-to-nearest-even onto the E4M3 grid in exact fp32 arithmetic, so that the final conversion
-only ever meets a value E4M3 holds exactly (Triton's interpreter converts others without carrying a rounding into
-the exponent, and flushes some subnormals: the CPU test could not check the bytes otherwise).
+token (`fp8.scaled_mm`, the FP8 experts' prefill dots). Bitwise the reference: the same fp32 amax x (1 / 448),
+IEEE division and clamp, then round-to-nearest-even onto the E4M3 grid in exact fp32 arithmetic, so that the final
+conversion only ever meets a value E4M3 holds exactly (Triton's interpreter converts others without carrying a
+rounding into the exponent, and flushes some subnormals: the CPU test could not check the bytes otherwise).
 """
 
 from __future__ import annotations
@@ -29,13 +29,13 @@ if triton_ops.triton is not None:
         return tl.where(q.to(tl.int32, bitcast=True) < 0, -r, r)
 
     @triton.jit
-    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n, FP8_MAX: tl.constexpr, MIN_SCALE: tl.constexpr,
-                              BLOCK: tl.constexpr):
+    def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
+                              MIN_SCALE: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n
         x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0).to(tl.float32)
-        scale = tl.maximum(libdevice.div_rn(tl.max(tl.abs(x), 0), FP8_MAX), MIN_SCALE)
+        scale = tl.maximum(tl.max(tl.abs(x), 0) * INV_MAX, MIN_SCALE)
         q = _e4m3_grid(tl.minimum(tl.maximum(libdevice.div_rn(x, scale), -FP8_MAX), FP8_MAX))
         tl.store(q_ptr + row * n + cols, q.to(q_ptr.dtype.element_ty), mask=m)
         tl.store(scale_ptr + row, scale)
@@ -50,6 +50,6 @@ def quantize_rows(t: torch.Tensor, dtype: torch.dtype, fp8_max: float, min_scale
     scale = torch.empty(x.shape[0], dtype=torch.float32, device=t.device)
     if x.shape[0]:
         block = triton.next_power_of_2(n)
-        _quantize_rows_kernel[(x.shape[0],)](x, q, scale, n, FP8_MAX=fp8_max, MIN_SCALE=min_scale, BLOCK=block,
-                                             num_warps=4 if block <= 2048 else 8)
+        _quantize_rows_kernel[(x.shape[0],)](x, q, scale, n, FP8_MAX=fp8_max, INV_MAX=1 / fp8_max, MIN_SCALE=min_scale,
+                                             BLOCK=block, num_warps=4 if block <= 2048 else 8)
     return q.view(t.shape), scale.view(t.shape[:-1])
