@@ -18,6 +18,8 @@ host syncs, CUDA-graph capturable.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from omnistage.layers import fp8, triton_moe, triton_ops
@@ -33,7 +35,8 @@ FP8_TILES: tuple[int, int, int, int, int] | None = (16, 32, 128, 4, 3)
 # `fp8.quantize_rows`) for FP8 x FP8 dots with 64-row K-128 tiles: 640 / 2 048 / 4 096 tokens thinker 0.28 / 0.46 /
 # 0.83 (0.51 / 0.82 / 1.00); talker 2 048 / 4 096 0.17 / 0.28, where weight-only's best tiles took 0.21 / 0.38.
 FP8_FEW_ROWS_TILES, FP8_DOTS_TILES = (32, 64, 128, 4, 3), (64, 64, 128, 4, 3)
-FP8_DOTS = True  # off: weight-only at every size (`scripts/fp8_logits.py --weight-only` scores the dots against it)
+# OMNISTAGE_FP8_DOTS=0: weight-only at every size (A/B; `scripts/fp8_logits.py --weight-only` scores the dots so)
+FP8_DOTS = os.environ.get("OMNISTAGE_FP8_DOTS", "1") != "0"
 # NOTE: up to this many slots (T*k) `fused_experts` takes this path for bf16 experts, above it the grouped GEMMs: a
 # guess. FP8 experts take it at every size, past it as `prefill_plan` says.
 MAX_SLOTS = 512
