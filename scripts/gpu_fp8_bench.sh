@@ -4,8 +4,10 @@
 # random weights) each with its memory at start (nvidia-smi) and read-aloud P = BENCH_P (160) at c = BENCH_FP8_C
 # (1,64), BENCH_K (4) x c requests a row, rows labelled by server, into $OUT/results.json (+ results.md).
 # Device call: carry [".whl"], command:  OMNISTAGE_COMMIT=<sha> bash scripts/gpu_fp8_bench.sh
-# BENCH_FP8_STEPS picks parts ("tests logits fp8 fp8-all bf16"; default all), BENCH_LOGITS the logits' ("fp8 fp8-all"),
-# BENCH_LOGITS_ARGS more fp8_logits.py flags ("--tokens 1024 --weight-only").
+# BENCH_FP8_STEPS picks parts ("tests logits fp8 fp8-all bf16" by default; also "fp8-weight-only": the fp8 server with
+# OMNISTAGE_FP8_DOTS=0, its prefill weight-only), BENCH_LOGITS the logits' ("fp8 fp8-all"),
+# BENCH_LOGITS_ARGS more fp8_logits.py flags ("--tokens 1024 --weight-only"); a server is skipped with fewer than
+# BENCH_SERVER_MIN_S (200) of the budget left.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DEFAULT_BUDGET=560
@@ -24,12 +26,17 @@ if has logits; then
 fi
 read_aloud_rows "${BENCH_FP8_C:-1,64}" "${BENCH_K:-4}"
 servers=()
-for q in fp8 fp8-all bf16; do has $q && servers+=("$q"); done
+for q in fp8 fp8-weight-only fp8-all bf16; do has $q && servers+=("$q"); done
 todo=${#servers[@]}
 for q in "${servers[@]}"; do
+  # NOTE: a full-size start takes 90-130 s; one begun past the call's limit loses every file the end would pack
+  (($(left) < ${BENCH_SERVER_MIN_S:-200})) && { echo "$q: skipped, $(left) s left"; todo=$((todo - 1)); continue; }
   flags=()
-  [[ $q != bf16 ]] && flags=(--quantization "$q")
-  start_server "$OUT/server-$q.log" "${flags[@]}" || { echo "$q: no server"; todo=$((todo - 1)); continue; }
+  [[ $q != bf16 ]] && flags=(--quantization "${q%-weight-only}")
+  dots=1
+  [[ $q == *-weight-only ]] && dots=0
+  OMNISTAGE_FP8_DOTS=$dots start_server "$OUT/server-$q.log" "${flags[@]}" ||
+    { echo "$q: no server"; todo=$((todo - 1)); continue; }
   nvidia-smi --query-gpu=memory.used,memory.total --format=csv > "$OUT/memory-$q.csv" 2>&1
   grep -iE "weights|KV cache" "$OUT/server-$q.log" | head -8 > "$OUT/memory-$q.log"
   echo "[$((SECONDS - T0)) s] $q: $(tail -1 "$OUT/memory-$q.csv")"
