@@ -25,7 +25,8 @@ def quantize_rows(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_rows_reference(t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`quantize_rows` in torch's ops (any device)."""
-    # NOTE: x (1 / 448), not / 448: CUDA torch divides by a scalar so, the CPU does not; this way both agree bitwise
+    # NOTE: x (1 / 448), not / 448: torch on CUDA turns a division by a scalar into that product, on the CPU it does
+    # not; written as the product both give the same bits (and so does `triton_quant`)
     scale = (t.abs().amax(dim=-1).float() * (1 / FP8_MAX)).clamp(min=MIN_SCALE)
     q = (t.float() / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q, scale
