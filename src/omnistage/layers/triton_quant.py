@@ -26,7 +26,7 @@ if triton_ops.triton is not None:
         per_spacing = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)
         # NOTE: + 1.5 x 2^23 then - 1.5 x 2^23 rounds to an integer (ties to even); powers of two: products exact
         r = ((a * per_spacing + 12582912.0) - 12582912.0) * spacing
-        return tl.where(q.to(tl.int32, bitcast=True) < 0, -1.0, 1.0) * r  # NOTE: -r gave +0.0 for -0.0 on the GPU
+        return tl.where(q.to(tl.int32, bitcast=True) < 0, -1.0, 1.0) * r  # NOTE: on the GPU -r gave +0.0 for r = +0.0
 
     @triton.jit
     def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, n, FP8_MAX: tl.constexpr, INV_MAX: tl.constexpr,
