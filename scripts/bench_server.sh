@@ -9,11 +9,14 @@ stop_server() {
   kill -9 "$SERVER" 2>/dev/null
   SERVER=
 }
-# NOTE: a device call returns at most 8 files from $OUT: at exit all but the results and bench.log (figures, logs,
-# traces) go into $OUT/logs.tgz, leaving the caller room for its own (BENCH_PACK=0 leaves them)
+# NOTE: a device call returns at most 8 files from $OUT (the first 8 by name when there are more): at exit all but
+# the results and bench.log (figures, logs, traces) go into $OUT/logs.tgz, leaving the caller room for its own
+# (BENCH_PACK=0 leaves them). A script may pack between steps too, so a call cut off at its limit still brings back
+# what was done: each pack adds to logs.tgz (its files come out first, those of the same name written since win).
 pack_out() {
   [[ ${BENCH_PACK:-1} != 0 && -d $OUT ]] || return 0
   local extra
+  [[ -f $OUT/logs.tgz ]] && (cd "$OUT" && tar xzf logs.tgz --skip-old-files)
   mapfile -t extra < <(cd "$OUT" && ls -A | grep -vxE 'results\.(json|md)|bench\.log|logs\.tgz')
   ((${#extra[@]})) || return 0
   (cd "$OUT" && tar czf logs.tgz "${extra[@]}" && rm -rf "${extra[@]}")

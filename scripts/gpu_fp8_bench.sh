@@ -24,6 +24,7 @@ if has logits; then
     tail -2 "$OUT/logits-$q.log"
   done
 fi
+pack_out
 read_aloud_rows "${BENCH_FP8_C:-1,64}" "${BENCH_K:-4}"
 servers=()
 for q in fp8 fp8-weight-only fp8-all bf16; do has $q && servers+=("$q"); done
@@ -45,6 +46,7 @@ for q in "${servers[@]}"; do
   todo=$((todo - 1))
   "$PY" -m omnistage.cli bench "${COMMON[@]}" --time-budget "$budget" --variant "$q"
   stop_server
+  pack_out
 done
 echo "[$((SECONDS - T0)) s] done"
 [[ -s $OUT/results.md ]] && cat "$OUT/results.md"
