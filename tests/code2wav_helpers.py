@@ -15,10 +15,13 @@ from transformers import Qwen3OmniMoeConfig
 from omnistage.models.qwen3_omni.model import build_stage
 from omnistage.models.qwen3_omni.presets import preset_config
 from omnistage.outputs import OutputDelta
+from omnistage.pipeline.code2wav import stage as code2wav_stage
 from omnistage.pipeline.code2wav.stage import Code2WavStage
 from omnistage.pipeline.connector import FrameChunk
 
 INITIAL, CHUNK, MAX_BATCH = 4, 5, 8
+TICK_S = 0.02  # the stage's clock per tick (it sends a stream's later chunk along with first chunks when the stream
+# is about to run dry): fixed, so runs compared with each other decide alike however fast this machine steps
 SAMPLES, TAIL = 1920, 555
 # per request: (tick it starts sending frames, frames, tick it is aborted or None); 1-2 frames per tick
 PLAN = [(0, 23, None), (0, 9, None), (0, 12, None), (0, 30, 9), (0, 7, None), (0, 16, None), (0, 3, None),
@@ -67,26 +70,28 @@ def drive(stage: Code2WavStage, plan: list = PLAN, alone: frozenset[int] = froze
     gen = torch.Generator().manual_seed(0)
     run = Run([Req(f"r{i}") for i in range(len(plan))], {},
               [torch.randint(0, 2048, (frames, 16), generator=gen) for _, frames, _ in plan])
-    sent = [0] * len(plan)
-    for t in range(200):
-        for i, ((join, frames, abort), req) in enumerate(zip(plan, run.reqs)):
-            if t == abort:
-                req.aborted = True
-                stage.abort(req.request_id)
-            if t < join or req.aborted or sent[i] > frames:
-                continue
-            k = min(1 + (i + t) % 2, frames - sent[i])
-            for j, f in enumerate(run.codes[i][sent[i]:sent[i] + k]):
-                stage.add(FrameChunk(req, f, talker_alone=i in alone and sent[i] + j == 0))
-            sent[i] += k
-            if sent[i] == frames:
-                stage.add(FrameChunk(req, finished=True))
-                sent[i] += 1
-        stage.step()
-        for rid, seq in stage.seqs.items():
-            run.slots.setdefault(rid, (seq.state.slot, t))
-        if all(r.done or r.aborted for r in run.reqs) and not stage.seqs:
-            return run
+    sent, now = [0] * len(plan), [100.0]
+    with mock.patch.object(code2wav_stage, "monotonic", lambda: now[0]):
+        for t in range(200):
+            now[0] = 100.0 + t * TICK_S
+            for i, ((join, frames, abort), req) in enumerate(zip(plan, run.reqs)):
+                if t == abort:
+                    req.aborted = True
+                    stage.abort(req.request_id)
+                if t < join or req.aborted or sent[i] > frames:
+                    continue
+                k = min(1 + (i + t) % 2, frames - sent[i])
+                for j, f in enumerate(run.codes[i][sent[i]:sent[i] + k]):
+                    stage.add(FrameChunk(req, f, talker_alone=i in alone and sent[i] + j == 0))
+                sent[i] += k
+                if sent[i] == frames:
+                    stage.add(FrameChunk(req, finished=True))
+                    sent[i] += 1
+            stage.step()
+            for rid, seq in stage.seqs.items():
+                run.slots.setdefault(rid, (seq.state.slot, t))
+            if all(r.done or r.aborted for r in run.reqs) and not stage.seqs:
+                return run
     raise AssertionError("the plan did not finish")
 
 
