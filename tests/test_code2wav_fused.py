@@ -13,6 +13,8 @@ import torch
 from transformers import Qwen3OmniMoeConfig
 
 from omnistage.layers import triton_ops
+from omnistage.models.qwen3_omni import code2wav_fused
+from omnistage.models.qwen3_omni.code2wav_conv import CausalConv1d
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 from omnistage.models.qwen3_omni.model import build_stage
 from omnistage.models.qwen3_omni.presets import preset_config
@@ -40,15 +42,24 @@ def _stream(model: torch.nn.Module, codes: torch.Tensor, schedule: list[int]) ->
     return torch.cat(chunks, dim=1), [streamer.cache.pos, *streamer.cache.states.values()]
 
 
-@pytest.mark.parametrize("preset", ["tiny", "tiny-wide"])
+def _residual_convs(model: torch.nn.Module) -> frozenset[tuple[int, int, int]]:
+    """`code2wav_fused.DIRECT_CONVS` keys of every residual unit's conv in `model`."""
+    return frozenset((m.conv.in_channels, m.conv.kernel_size[0], m.conv.dilation[0]) for name, m in
+                     model.named_modules() if isinstance(m, CausalConv1d) and ".block." in name and "conv" in name)
+
+
+@pytest.mark.parametrize(("preset", "direct"), [("tiny", False), ("tiny-wide", False), ("tiny", True)])
 @torch.no_grad()
-def test_fused_decoder_equals_reference(preset: str) -> None:
+def test_fused_decoder_equals_reference(preset: str, direct: bool) -> None:
+    """`direct`: every residual conv as `triton_conv.conv1d` (the full-size model takes it for some)."""
     model = build_stage(Qwen3OmniMoeConfig(**preset_config(preset)), "code2wav", load_format="dummy", device=DEV,
                         dtype="float32", seed=3)
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(0)).to(DEV)
     runs = {}
+    convs = _residual_convs(model) if direct else frozenset()
+    assert len(convs) == (16 if direct else 0)  # 4 levels x (k 7 at dilations 1, 3, 9; k 1)
     for on in (False, True):
-        with fast_path(on):
+        with fast_path(on), mock.patch.object(code2wav_fused, "DIRECT_CONVS", convs):
             runs[on] = (model(codes)[:, 0], *_stream(model, codes, [2, 1]))
     (ref, ref_stream, ref_state), (fused, stream, state) = runs[False], runs[True]
     assert stream.shape == fused.shape == ref.shape == (2, 3 * 1920 - 555)

@@ -44,3 +44,17 @@ def test_conv1d_out1_matches_cudnn(channels: int) -> None:
     assert fused.shape == (3, 1, 512) and fused.dtype == DTYPE
     tol = 2 ** -7 if DTYPE == torch.bfloat16 else 1e-5  # measured (fp32, 672 terms in sequence): 1.1e-6
     assert float((fused.float() - ref).abs().max()) <= float(ref.abs().max()) * tol
+
+
+@pytest.mark.parametrize(("c_in", "c_out", "kernel", "dilation"), [(96, 96, 7, 9), (20, 24, 7, 3), (40, 136, 1, 1)])
+def test_conv1d_matches_cudnn(c_in: int, c_out: int, kernel: int, dilation: int) -> None:
+    """A residual unit's convs (k 7 at dilations 1 / 3 / 9, k 1) over a conv input buffer whose rows lie further
+    apart than their length (as a saved context's), with channels that fill no tile."""
+    n = 300 + (kernel - 1) * dilation
+    x = _randn(2, c_in, n + 13, scale=2)[..., 13:]
+    w = _randn(c_out, c_in, kernel, scale=0.1, seed=1)
+    fused = triton_conv.conv1d(x, w, dilation)
+    ref = F.conv1d(x.float(), w.float(), dilation=dilation)
+    assert fused.shape == (2, c_out, 300) and fused.dtype == DTYPE and fused.is_contiguous()
+    tol = 2 ** -7 if DTYPE == torch.bfloat16 else 1e-5  # measured (fp32 interpreter): <= 1e-6
+    assert float((fused.float() - ref).abs().max()) <= float(ref.abs().max()) * tol

@@ -5,6 +5,9 @@
   cuDNN's separate in-place bias add plus the add.
 - `conv1d_out1(x, weight, bias)`: the decoder's last conv (C -> 1 channel, kernel K, no padding) as a direct conv
   with fp32 accumulation, one read of the input and no cuDNN layout change of its [B, C, T] input.
+- `conv1d(x, weight, dilation)`: a stride-1 conv without bias as an implicit GEMM over [B, C, T] as it lies (the
+  reduction runs over (channel, tap) pairs in the weight's own flattened order): no unfolded windows, no layout
+  change, and no generic kernel for the dilations that cuDNN has no fast one for.
 """
 
 from __future__ import annotations
@@ -48,6 +51,28 @@ if triton_ops.triton is not None:
         y = acc.to(dt).to(tl.float32) + tl.load(bias_ptr).to(tl.float32)
         tl.store(out_ptr + b * length + cols, y.to(dt), mask=m)
 
+    @triton.jit
+    def _conv1d_kernel(x_ptr, w_ptr, out_ptr, c_out, length, reduce, sxb, sxc, DILATION: tl.constexpr,
+                       KERNEL: tl.constexpr, BLOCK_CO: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_R: tl.constexpr,
+                       IEEE: tl.constexpr):
+        co = tl.program_id(0) * BLOCK_CO + tl.arange(0, BLOCK_CO)  # NOTE: output channels fastest: x tiles reused
+        t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+        b = tl.program_id(2).to(tl.int64)
+        acc = tl.zeros([BLOCK_CO, BLOCK_T], dtype=tl.float32)
+        for r0 in range(0, reduce, BLOCK_R):
+            r = r0 + tl.arange(0, BLOCK_R)  # (channel, tap) = divmod(r, KERNEL), as weight.flatten(1) orders them
+            rm = r < reduce
+            w = tl.load(w_ptr + co[:, None] * reduce + r[None, :], mask=(co[:, None] < c_out) & rm[None, :], other=0.0)
+            x_row = (r // KERNEL).to(tl.int64) * sxc + (r % KERNEL) * DILATION
+            x = tl.load(x_ptr + b * sxb + x_row[:, None] + t[None, :], mask=rm[:, None] & (t[None, :] < length),
+                        other=0.0)
+            if IEEE:
+                acc = tl.dot(w, x, acc, input_precision="ieee")
+            else:
+                acc = tl.dot(w, x, acc)
+        out = out_ptr + (b * c_out + co[:, None]) * length + t[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(co[:, None] < c_out) & (t[None, :] < length))
+
 
 def bias_residual(x: torch.Tensor, y: torch.Tensor, bias: torch.Tensor,
                   x_bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -73,4 +98,26 @@ def conv1d_out1(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     _conv1d_out1_kernel[(b, triton.cdiv(n - k + 1, block_t))](x, weight.contiguous(), bias, out, n - k + 1,
                                                              x.stride(0), x.stride(1), CHANNELS=c, KERNEL=k,
                                                              BLOCK_T=block_t)
+    return out
+
+
+# (BLOCK_CO, BLOCK_T, BLOCK_R, num_warps, num_stages)
+CONV_TILES = (128, 128, 64, 8, 3)
+
+
+def conv1d(x: torch.Tensor, weight: torch.Tensor, dilation: int, tiles: tuple[int, ...] = CONV_TILES) -> torch.Tensor:
+    """`F.conv1d(x, weight, dilation=dilation)` (stride 1, no padding, no bias, groups 1): `x [B, C, T + (K - 1) *
+    dilation]` (time stride 1; batch and channel strides free), `weight [C', C, K]` -> contiguous `[B, C', T]`;
+    fp32 accumulation, one rounding to x's dtype."""
+    b, c, n = x.shape
+    c_out, _, k = weight.shape
+    length = n - (k - 1) * dilation
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = x.new_empty(b, c_out, length)
+    block_co, block_t, block_r, warps, stages = tiles
+    grid = (triton.cdiv(c_out, block_co), triton.cdiv(length, block_t), b)
+    _conv1d_kernel[grid](x, weight.contiguous(), out, c_out, length, c * k, x.stride(0), x.stride(1),
+                         DILATION=dilation, KERNEL=k, BLOCK_CO=block_co, BLOCK_T=block_t, BLOCK_R=block_r,
+                         IEEE=x.dtype == torch.float32, num_warps=warps, num_stages=stages)
     return out

@@ -7,7 +7,8 @@ The same convolutions as the reference path (cuDNN), without the full-tensor pas
   instead of a `torch.cat` of the context and its output;
 - a transposed conv's trimmed output is read in place (strided), not copied;
 - the last conv (C -> 1 channel) is a direct Triton conv (`triton_conv.conv1d_out1`);
-- the first (hidden -> decoder_dim over a chunk's few frames) is one GEMM over unfolded windows.
+- the first (hidden -> decoder_dim over a chunk's few frames) is one GEMM over unfolded windows;
+- the residual convs that `DIRECT_CONVS` names run as a Triton implicit GEMM (`triton_conv.conv1d`).
 Every sum is rounded where the reference rounds it, so only the convs' accumulation order differs.
 """
 
@@ -49,9 +50,15 @@ def activated_input(act: SnakeBeta, x: torch.Tensor, layer: CausalConv1d | Causa
     return h
 
 
+# (in channels, kernel, dilation) of the residual units' convs that run as `triton_conv.conv1d`, the rest on cuDNN
+DIRECT_CONVS: frozenset[tuple[int, int, int]] = frozenset({(384, 7, 9)})
+
+
 def conv(layer: CausalConv1d, h: torch.Tensor) -> torch.Tensor:
     """`layer`'s conv of its (already extended) input without the bias."""
     c = layer.conv
+    if (c.in_channels, c.kernel_size[0], c.dilation[0]) in DIRECT_CONVS:
+        return triton_conv.conv1d(h, c.weight, c.dilation[0])
     return F.conv1d(h, c.weight, None, c.stride, 0, c.dilation, c.groups)
 
 
