@@ -101,8 +101,9 @@ def conv1d_out1(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> to
     return out
 
 
-# (BLOCK_CO, BLOCK_T, BLOCK_R, num_warps, num_stages)
-CONV_TILES = (128, 128, 64, 8, 3)
+# (BLOCK_CO, BLOCK_T, BLOCK_R, num_warps, num_stages): the best of 8 for code2wav's dilated convs at batch 16 / 64
+# (H100, `scripts/conv_bench.py`; the 384-channel dilation-9 one 0.68 ms against 1.23 with 128 x 128 tiles)
+CONV_TILES = (64, 128, 64, 4, 3)
 
 
 def conv1d(x: torch.Tensor, weight: torch.Tensor, dilation: int, tiles: tuple[int, ...] = CONV_TILES) -> torch.Tensor:

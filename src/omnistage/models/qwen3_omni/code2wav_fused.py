@@ -14,6 +14,7 @@ Every sum is rounded where the reference rounds it, so only the convs' accumulat
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 import torch
@@ -50,14 +51,17 @@ def activated_input(act: SnakeBeta, x: torch.Tensor, layer: CausalConv1d | Causa
     return h
 
 
-# (in channels, kernel, dilation) of the residual units' convs that run as `triton_conv.conv1d`, the rest on cuDNN
-DIRECT_CONVS: frozenset[tuple[int, int, int]] = frozenset({(384, 7, 9)})
+# Residual convs that run as `triton_conv.conv1d`: (in channels, kernel, dilation) -> the largest batch that takes
+# it. cuDNN runs these on slow kernels (H100, `scripts/conv_bench.py`, HISTORY 47: the dilation-9 384-channel conv
+# 4.5 against 0.68 ms at batch 16, the 192-channel dilated ones 0.49 against 0.05 ms at batch 1); the rest on cuDNN.
+DIRECT_CONVS: dict[tuple[int, int, int], int] = {} if os.environ.get("OMNISTAGE_DIRECT_CONVS") == "0" else {
+    (384, 7, 9): 1 << 30, (384, 7, 3): 1, (192, 7, 3): 1, (192, 7, 9): 1}
 
 
 def conv(layer: CausalConv1d, h: torch.Tensor) -> torch.Tensor:
     """`layer`'s conv of its (already extended) input without the bias."""
     c = layer.conv
-    if (c.in_channels, c.kernel_size[0], c.dilation[0]) in DIRECT_CONVS:
+    if h.shape[0] <= DIRECT_CONVS.get((c.in_channels, c.kernel_size[0], c.dilation[0]), 0):
         return triton_conv.conv1d(h, c.weight, c.dilation[0])
     return F.conv1d(h, c.weight, None, c.stride, 0, c.dilation, c.groups)
 
