@@ -2,8 +2,8 @@
 input shapes of a later chunk of --frames frames of the full-size Code2Wav (random weights) and each of --batches
 (us a call, 50 calls in one CUDA graph; max error relative to cuDNN's largest output); --channels keeps the convs of
 those input channels. Then the whole chunk step (a CUDA graph of `Code2WavStreamer.decode_group`) with
-`code2wav_fused.DIRECT_CONVS` empty, as shipped, and with the convs whose best tile beat cuDNN at that batch. Prints
-tables and, per conv, the batches where Triton won; writes JSON to --out.
+`code2wav_fused.DIRECT_CONVS` empty, as shipped, and with the shapes where Triton's best tile took under half of
+cuDNN's time (`DIRECT_CONVS` entries). Prints tables and those shapes; writes JSON to --out.
 
 usage: python scripts/conv_bench.py --out FILE [--batches 1,16,64] [--frames 25] [--channels 192,384] [--tiles 2]
 """
@@ -64,7 +64,8 @@ def time_graph(fn, replays: int = 10) -> float:
 
 
 def bench_convs(shapes: dict, batches: list[int], tiles_list: list[tuple[int, ...]]) -> tuple[dict, set]:
-    """Rows keyed by shape and batch; the (in channels, kernel, dilation, batch) where Triton's best tile won."""
+    """Rows keyed by shape and batch; (in channels, kernel, dilation, batch, output length) where Triton's best
+    tile took under half of cuDNN's time."""
     res, wins = {}, set()
     for (ci, co, k, d), (n, layers) in sorted(shapes.items()):
         w = torch.randn(co, ci, k, device="cuda", dtype=torch.bfloat16) * 0.05
@@ -81,8 +82,8 @@ def bench_convs(shapes: dict, batches: list[int], tiles_list: list[tuple[int, ..
             res[f"c{ci}_o{co}_k{k}_d{d}_n{n}_b{b}"] = row
             print(f"{ci:5} {co:5} k{k} d{d} n{n:6} b{b:3} x{layers}: cuDNN {row['cudnn_us']:8.1f} us, "
                   f"best {best} {row['best_us']:8.1f} us (err {row[str(best)]['err']})", flush=True)
-            if row["best_us"] < row["cudnn_us"]:
-                wins.add((ci, k, d, b))
+            if row["best_us"] < row["cudnn_us"] / 2:
+                wins.add((ci, k, d, b, n - (k - 1) * d))
     return res, wins
 
 
@@ -106,12 +107,13 @@ def main() -> None:
             rows, wins = bench_convs(shapes, batches, TILES[:a.tiles])
             res[f"frames{frames}"] = rows
             res[f"frames{frames}_wins"] = sorted(wins)
-            print(f"{frames} frames: Triton won at (channels, kernel, dilation, batch)", sorted(wins), flush=True)
+            print(f"{frames} frames: Triton < cuDNN / 2 at (channels, kernel, dilation, batch, length)", sorted(wins),
+                  flush=True)
             for b in batches:
                 slots = torch.arange(b, device="cuda")
                 codes = torch.randint(0, 2048, (b, q, frames), device="cuda")
                 streamer.decode_group(slots, codes, True)
-                won = {w[:3]: b for w in wins if w[3] == b}
+                won = {w[:3]: frozenset({w[3:]}) for w in wins if w[3] == b}
                 for name, convs in (("cudnn", {}), ("shipped", code2wav_fused.DIRECT_CONVS), ("wins", won)):
                     with mock.patch.object(code2wav_fused, "DIRECT_CONVS", convs):
                         ms = time_graph(lambda: streamer.decode_group(slots, codes, False))

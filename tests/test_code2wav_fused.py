@@ -14,7 +14,7 @@ from transformers import Qwen3OmniMoeConfig
 
 from omnistage.layers import triton_ops
 from omnistage.models.qwen3_omni import code2wav_fused
-from omnistage.models.qwen3_omni.code2wav_conv import CausalConv1d
+from omnistage.models.qwen3_omni.code2wav_conv import DecoderResidualUnit
 from omnistage.models.qwen3_omni.code2wav_stream import Code2WavStreamer
 from omnistage.models.qwen3_omni.model import build_stage
 from omnistage.models.qwen3_omni.presets import preset_config
@@ -42,24 +42,16 @@ def _stream(model: torch.nn.Module, codes: torch.Tensor, schedule: list[int]) ->
     return torch.cat(chunks, dim=1), [streamer.cache.pos, *streamer.cache.states.values()]
 
 
-def _residual_convs(model: torch.nn.Module) -> dict[tuple[int, int, int], int]:
-    """`code2wav_fused.DIRECT_CONVS` for every residual unit's conv in `model`, at every batch."""
-    return {(m.conv.in_channels, m.conv.kernel_size[0], m.conv.dilation[0]): 64 for name, m in
-            model.named_modules() if isinstance(m, CausalConv1d) and ".block." in name and "conv" in name}
-
-
 @pytest.mark.parametrize(("preset", "direct"), [("tiny", False), ("tiny-wide", False), ("tiny", True)])
 @torch.no_grad()
 def test_fused_decoder_equals_reference(preset: str, direct: bool) -> None:
-    """`direct`: every residual conv as `triton_conv.conv1d` (the full-size model takes it for some)."""
+    """`direct`: every residual conv as `triton_conv.conv1d` (the full-size model takes it at some shapes)."""
     model = build_stage(Qwen3OmniMoeConfig(**preset_config(preset)), "code2wav", load_format="dummy", device=DEV,
                         dtype="float32", seed=3)
     codes = torch.randint(0, 2048, (2, 16, 3), generator=torch.Generator().manual_seed(0)).to(DEV)
     runs = {}
-    convs = _residual_convs(model) if direct else {}
-    assert len(convs) == (16 if direct else 0)  # 4 levels x (k 7 at dilations 1, 3, 9; k 1)
     for on in (False, True):
-        with fast_path(on), mock.patch.object(code2wav_fused, "DIRECT_CONVS", convs):
+        with fast_path(on), mock.patch.object(code2wav_fused, "direct", lambda layer, h: direct):
             runs[on] = (model(codes)[:, 0], *_stream(model, codes, [2, 1]))
     (ref, ref_stream, ref_state), (fused, stream, state) = runs[False], runs[True]
     assert stream.shape == fused.shape == ref.shape == (2, 3 * 1920 - 555)
@@ -70,3 +62,15 @@ def test_fused_decoder_equals_reference(preset: str, direct: bool) -> None:
     assert float((stream - fused).abs().max()) <= 1e-5 * scale
     for a, b in zip(state, ref_state, strict=True):
         assert float((a - b).abs().max()) <= 1e-5 * float(b.abs().max().clamp(min=1))
+
+
+def test_direct_convs_by_shape() -> None:
+    """The full-size 384-channel dilation-9 conv of a 25-frame chunk: Triton at batch 16, cuDNN at batch 4 and for
+    other channels, kernels or lengths."""
+    unit = DecoderResidualUnit(384, 9)
+    h = torch.empty(16, 384, 4000 + 54, device="meta")
+    assert unit.conv1.context == 54 and code2wav_fused.direct(unit.conv1, h)
+    assert not code2wav_fused.direct(unit.conv1, h[:4])
+    assert not code2wav_fused.direct(unit.conv1, h[..., 1:])
+    assert not code2wav_fused.direct(unit.conv2, torch.empty(16, 384, 4000, device="meta"))
+    assert not code2wav_fused.direct(DecoderResidualUnit(384, 1).conv1, h[..., 48:])

@@ -8,7 +8,7 @@ The same convolutions as the reference path (cuDNN), without the full-tensor pas
 - a transposed conv's trimmed output is read in place (strided), not copied;
 - the last conv (C -> 1 channel) is a direct Triton conv (`triton_conv.conv1d_out1`);
 - the first (hidden -> decoder_dim over a chunk's few frames) is one GEMM over unfolded windows;
-- the residual convs that `DIRECT_CONVS` names run as a Triton implicit GEMM (`triton_conv.conv1d`).
+- a residual conv at a shape where cuDNN is slow (`DIRECT_CONVS`) runs as a Triton implicit GEMM (`triton_conv.conv1d`).
 Every sum is rounded where the reference rounds it, so only the convs' accumulation order differs.
 """
 
@@ -51,17 +51,29 @@ def activated_input(act: SnakeBeta, x: torch.Tensor, layer: CausalConv1d | Causa
     return h
 
 
-# Residual convs that run as `triton_conv.conv1d`: (in channels, kernel, dilation) -> the largest batch that takes
-# it. cuDNN runs these on slow kernels (H100, `scripts/conv_bench.py`, HISTORY 47: the dilation-9 384-channel conv
-# 4.5 against 0.68 ms at batch 16, the 192-channel dilated ones 0.49 against 0.05 ms at batch 1); the rest on cuDNN.
-DIRECT_CONVS: dict[tuple[int, int, int], int] = {} if os.environ.get("OMNISTAGE_DIRECT_CONVS") == "0" else {
-    (384, 7, 9): 1 << 30, (384, 7, 3): 1, (192, 7, 3): 1, (192, 7, 9): 1}
+# Residual convs that run as `triton_conv.conv1d`: (in channels, kernel, dilation) -> the (batch, output length)s
+# where cuDNN picks its generic kernel, 7-15x slower than Triton's there (H100, `scripts/conv_bench.py` over chunks
+# of 4 and 25 frames at batch 1-16 and 64, HISTORY 47); cuDNN keeps the rest, where Triton takes 0.8-1.9x its time.
+# A frame is 640 samples at 192 channels, 160 at 384.
+DIRECT_CONVS: dict[tuple[int, int, int], frozenset[tuple[int, int]]] = {} \
+    if os.environ.get("OMNISTAGE_DIRECT_CONVS") == "0" else {
+        (192, 7, 3): frozenset({(8, 2560), (16, 2560), (1, 16000), (2, 16000)}),
+        (192, 7, 9): frozenset({(8, 2560), (16, 2560), (1, 16000), (2, 16000)}),
+        (384, 7, 3): frozenset({(8, 640)}),
+        (384, 7, 9): frozenset({(8, 640), (8, 4000), (16, 4000), (64, 4000)})}
+
+
+def direct(layer: CausalConv1d, h: torch.Tensor) -> bool:
+    """Whether `layer`'s conv of its extended input `h` runs as `triton_conv.conv1d` (`DIRECT_CONVS`)."""
+    c = layer.conv
+    return (h.shape[0], h.shape[-1] - layer.context) in DIRECT_CONVS.get(
+        (c.in_channels, c.kernel_size[0], c.dilation[0]), ())
 
 
 def conv(layer: CausalConv1d, h: torch.Tensor) -> torch.Tensor:
     """`layer`'s conv of its (already extended) input without the bias."""
     c = layer.conv
-    if h.shape[0] <= DIRECT_CONVS.get((c.in_channels, c.kernel_size[0], c.dilation[0]), 0):
+    if direct(layer, h):
         return triton_conv.conv1d(h, c.weight, c.dilation[0])
     return F.conv1d(h, c.weight, None, c.stride, 0, c.dilation, c.groups)
 
