@@ -3,7 +3,7 @@ input shapes of a later chunk of --frames frames of the full-size Code2Wav (rand
 (us a call, 50 calls in one CUDA graph; max error relative to cuDNN's largest output); --channels keeps the convs of
 those input channels. Then the whole chunk step (a CUDA graph of `Code2WavStreamer.decode_group`) with
 `code2wav_fused.DIRECT_CONVS` empty, as shipped, and with the shapes where Triton's best tile took under half of
-cuDNN's time (`DIRECT_CONVS` entries). Prints tables and those shapes; writes JSON to --out.
+cuDNN's time. Prints tables and those shapes as a `DIRECT_CONVS` table; writes JSON to --out.
 
 usage: python scripts/conv_bench.py --out FILE [--batches 1,16,64] [--frames 25] [--channels 192,384] [--tiles 2]
 """
@@ -119,6 +119,10 @@ def main() -> None:
                         ms = time_graph(lambda: streamer.decode_group(slots, codes, False))
                     res[f"chunk{frames}_b{b}_{name}_ms"] = round(ms, 3)
                     print(f"chunk of {frames} frames, batch {b}, {name}: {ms:.3f} ms", flush=True)
+    table: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for w in (w for f in a.frames.split(",") for w in res[f"frames{f}_wins"]):
+        table.setdefault(tuple(w[:3]), []).append(tuple(w[3:]))
+    print("DIRECT_CONVS =", {k: sorted(v) for k, v in sorted(table.items())})
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
