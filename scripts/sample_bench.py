@@ -1,6 +1,6 @@
-"""Times the fused sampler (`layers.triton_sampling.fused_sample`) on the H200 at the code predictor's and
-the talker's shapes for several `SEARCH_ARY` values (probes per round of its threshold searches): 50 calls
-captured in one CUDA graph (`linear_bench.time_us`), us per call; prints a table and writes JSON.
+"""Times the fused sampler (`layers.triton_sampling.fused_sample`) on the GPU at the code predictor's and
+the talker's shapes for several `SEARCH_ARY` values (probes per round of its threshold searches) and warps a program
+(`WARPS`): 50 calls captured in one CUDA graph (`linear_bench.time_us`), us per call; prints a table and writes JSON.
 
 usage: python scripts/sample_bench.py --out FILE
 """
@@ -8,9 +8,11 @@ usage: python scripts/sample_bench.py --out FILE
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
+import triton
 from linear_bench import time_us
 
 from omnistage.layers import triton_sampling
@@ -28,13 +30,16 @@ def main() -> None:
         logits = torch.randn(b, vocab, device="cuda") * 3
         steps = torch.zeros(b, dtype=torch.long, device="cuda")
         ref = None
-        for ary in (2, 4, 8, 16):
-            triton_sampling.SEARCH_ARY = ary
+        block = triton.next_power_of_2(vocab)
+        for ary, warps in itertools.product((2, 4, 8), (1, 2, 4, 8)):
+            triton_sampling.SEARCH_ARY, triton_sampling.WARPS[block] = ary, warps
             out = triton_sampling.fused_sample(logits, st, steps)
             ref = out if ref is None else ref
             us = time_us(lambda x: triton_sampling.fused_sample(x, st, steps), [logits], 50, 5)
-            res[f"b{b}_v{vocab}_k{top_k}_p{top_p}_ary{ary}"] = {"us": round(us, 2), "same": bool((out == ref).all())}
-            print(b, vocab, top_k, top_p, ary, round(us, 2), bool((out == ref).all()))
+            key = f"b{b}_v{vocab}_k{top_k}_p{top_p}_ary{ary}_warps{warps}"
+            res[key] = {"us": round(us, 2), "same": bool((out == ref).all())}
+            print(b, vocab, top_k, top_p, ary, warps, round(us, 2), bool((out == ref).all()), flush=True)
+        del triton_sampling.WARPS[block]
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 

@@ -23,6 +23,9 @@ MAX_VOCAB = 8192
 # probes per round of the threshold searches (one reduction a round); H200, B = 1, V = 2048, top-k 50, top-p 0.8:
 # 2 (bisection) 30.9 us a call, 4 27.3, 8 29.5, 16 34.8 (scripts/sample_bench.py)
 SEARCH_ARY = 4
+# warps a program by BLOCK (the vocabulary's next power of two), measured (`scripts/sample_bench.py`); others take
+# BLOCK / 512 within 4..16 (its ~13 block-wide reductions and the searches' rounds cost more with more warps)
+WARPS: dict[int, int] = {}
 
 
 def supports(logits: torch.Tensor) -> bool:
@@ -157,6 +160,6 @@ def fused_sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
         st.temperature, st.top_k, st.top_p, st.min_p, st.repetition_penalty, st.presence_penalty,
         st.frequency_penalty, st.seeds, steps, out, vocab, HAS_SEEN=seen is not None,
         HAS_COUNTS=counts is not None, HAS_SUPPRESS=suppress is not None, SAMPLE=not st.all_greedy,
-        TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY, num_warps=min(16, max(4, block // 512)),
-        enable_fp_fusion=False)
+        TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY,
+        num_warps=WARPS.get(block, min(16, max(4, block // 512))), enable_fp_fusion=False)
     return out
