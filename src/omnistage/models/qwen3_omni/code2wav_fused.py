@@ -52,7 +52,7 @@ def activated_input(act: SnakeBeta, x: torch.Tensor, layer: CausalConv1d | Causa
 
 
 # Residual convs that run as `triton_conv.conv1d`: (in channels, kernel, dilation) -> the (batch, output length)s
-# where cuDNN picks its generic kernel, 7-15x slower than Triton's there (H100, `scripts/conv_bench.py` over chunks
+# where cuDNN picks its generic kernel, 6.5-11x slower than Triton's there (H100, `scripts/conv_bench.py` over chunks
 # of 4 and 25 frames at batch 1-16 and 64, HISTORY 47); cuDNN keeps the rest, where Triton takes 0.8-1.9x its time.
 # A frame is 640 samples at 192 channels, 160 at 384.
 DIRECT_CONVS: dict[tuple[int, int, int], frozenset[tuple[int, int]]] = {} \
