@@ -16,7 +16,7 @@ from unittest import mock
 
 import torch
 import torch.nn.functional as F
-from linear_bench import time_us
+from linear_bench import time_graph, time_us
 from transformers import Qwen3OmniMoeConfig
 
 from omnistage.layers import triton_conv
@@ -44,23 +44,6 @@ def conv_shapes(streamer: Code2WavStreamer, codes: torch.Tensor) -> dict[tuple[i
     with mock.patch.object(code2wav_fused, "conv", record):
         streamer.decode_group(slots, codes, False)
     return seen
-
-
-def time_graph(fn, replays: int = 10) -> float:
-    """ms of one replay of `fn` captured as a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / replays
 
 
 def bench_convs(shapes: dict, batches: list[int], tiles_list: list[tuple[int, ...]]) -> tuple[dict, set]:

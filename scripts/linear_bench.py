@@ -54,6 +54,23 @@ def time_us(call: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Te
     return start.elapsed_time(end) * 1e3 / (replays * iters)
 
 
+def time_graph(fn: Callable[[], object], replays: int = 10) -> float:
+    """ms of one replay of `fn` captured as a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / replays
+
+
 def candidates(m: int, fp8_weights: bool = False) -> list[triton_linear.Config]:
     bucket = triton_linear.m_bucket(m)
     extra = [(16, *c) for c in FP8_WIDE_K] if fp8_weights else []

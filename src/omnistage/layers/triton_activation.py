@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_pdl
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def silu_mul_rounded(gate, up, dt: tl.constexpr):
@@ -23,7 +24,8 @@ if triton_ops.triton is not None:
         return (act * up).to(dt)
 
     @triton.jit
-    def _silu_mul_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(x_ptr, out_ptr, n, stride_row, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < n
@@ -42,5 +44,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     out = x.new_empty(x.shape[0], n)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block)
+    _silu_mul_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, n, x.stride(0), BLOCK=block, **triton_pdl.launch(x))
     return out.view(*gate_up.shape[:-1], n)

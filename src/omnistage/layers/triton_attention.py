@@ -18,12 +18,13 @@ import os
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_pdl
 
 _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _online_softmax(m_i, l_i, s):
@@ -38,8 +39,9 @@ if triton_ops.triton is not None:
             q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, out_ptr, slots_ptr, tables_ptr, lens_ptr,
             q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, table_stride, static_past, qk_scale,
             KV: tl.constexpr, GROUP: tl.constexpr, D: tl.constexpr, BLOCK_SIZE: tl.constexpr, N_NEW: tl.constexpr,
-            PAGED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BOUND: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr):
+            PAGED: tl.constexpr, PRECISION: tl.constexpr, INTERPRET_BOUND: tl.constexpr, BLOCK_M: tl.constexpr,
+            BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         row, kvh = tl.program_id(0), tl.program_id(1)
         d = tl.arange(0, BLOCK_D)
         dm = d < D
@@ -112,7 +114,7 @@ def _launch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Te
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         INTERPRET_BOUND=k_cache.shape[1] * (1 if tables is None else tables.shape[1]) if _INTERPRETED else 0,
         BLOCK_M=max(16, triton.next_power_of_2(n_new * group)), BLOCK_N=16 if tables is None else 64,
-        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4)
+        BLOCK_D=max(16, triton.next_power_of_2(d)), num_warps=4, **triton_pdl.launch(q))
     return out
 
 

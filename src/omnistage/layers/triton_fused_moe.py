@@ -22,7 +22,7 @@ import os
 
 import torch
 
-from omnistage.layers import fp8, triton_moe, triton_ops
+from omnistage.layers import fp8, triton_moe, triton_ops, triton_pdl
 
 # NOTE: decode tiles chosen without a GPU (tl.dot needs every dim >= 16): autotune on the H200.
 BLOCK_M, BLOCK_N, BLOCK_K, NUM_WARPS, NUM_STAGES = 16, 64, 128, 4, 3
@@ -44,6 +44,7 @@ MAX_SLOTS = 512
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded
     from omnistage.layers.triton_ops import tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _block_rows(offs_ptr, block, NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -65,11 +66,12 @@ if triton_ops.triton is not None:
     def _expert_gemm_kernel(a_ptr, a_scale_ptr, w_ptr, scale_ptr, token_ptr, offs_ptr, out_ptr, stride_we, stride_wn,
                             stride_se, NUM_EXPERTS: tl.constexpr, N: tl.constexpr, K: tl.constexpr,
                             GATED: tl.constexpr, HAS_SCALE: tl.constexpr, A_SCALE: tl.constexpr, E_PAD: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[rows, cols] of one block of sorted rows (one expert e) and one column tile: GATED, rows of `a`
         read through `token`, silu(a @ W[e, cols]^T) * (a @ W[e, N + cols]^T); else a[rows] @ W[e, cols]^T.
         HAS_SCALE: W in FP8, row c of expert e's sums times scale[e, c]; A_SCALE: `a` in FP8 too (FP8 dots), each
         row's sums times its a_scale."""
+        gdc(PDL)
         e, rows, row_m = _block_rows(offs_ptr, tl.program_id(0), NUM_EXPERTS, E_PAD, BLOCK_M)
         if e >= NUM_EXPERTS:
             return
@@ -150,7 +152,8 @@ def expert_gemm(a: torch.Tensor, w: torch.Tensor, token: torch.Tensor, offs: tor
                               w.stride(1), scale_arg.stride(0), NUM_EXPERTS=num_experts, N=n, K=k, GATED=gated,
                               HAS_SCALE=scale is not None, A_SCALE=a_scale is not None,
                               E_PAD=triton.next_power_of_2(num_experts),
-                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                              BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages,
+                              **triton_pdl.launch(a))
     return out
 
 

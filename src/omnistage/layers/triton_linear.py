@@ -17,7 +17,7 @@ import os
 
 import torch
 
-from omnistage.layers import fp8, triton_ops
+from omnistage.layers import fp8, triton_ops, triton_pdl
 from omnistage.layers.triton_linear_tiles import CONFIGS, FP8_CONFIGS, Config
 
 ENABLED = os.environ.get("OMNISTAGE_TRITON_LINEAR", "1") != "0"
@@ -26,6 +26,7 @@ MAX_M = 64
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded
     from omnistage.layers.triton_ops import tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _finish(acc, acc_up, bias_ptr, cols, col_m, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -43,10 +44,11 @@ if triton_ops.triton is not None:
     def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
                             K_SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                             GATED: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[rows, cols] of x[rows] @ w[cols]^T (GATED: and of w[N + cols]); SPLIT_K > 1: the fp32 sums over
         K slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols).
         HAS_SCALE: `w` in FP8, row c's sums times scale[c]."""
+        gdc(PDL)
         dt = x_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -81,8 +83,9 @@ if triton_ops.triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _split_k_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, HAS_BIAS: tl.constexpr, GATED: tl.constexpr,
-                               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr):
+                               SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
         """out[row, cols] from the SPLIT_K slices' sums, added in slice order."""
+        gdc(PDL)
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_m = cols < N
@@ -152,10 +155,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
     _skinny_gemm_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n), split)](
         x, weight, scale_arg, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, HAS_SCALE=scale is not None,
         PRECISION=precision,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags)
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags,
+        **triton_pdl.launch(x))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
-        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](ws, bias_arg, out, m, n, BLOCK_N=block, **flags)
+        _split_k_reduce_kernel[(m, triton.cdiv(n, block))](ws, bias_arg, out, m, n, BLOCK_N=block, **flags,
+                                                           **triton_pdl.launch(x))
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_pdl
 
 # NOTE: every expert's program reads all T*k ids twice, so above this many slots (a long prefill) the torch
 # sort is used (`layers.moe`): unmeasured on the GPU, a guess.
@@ -26,10 +26,12 @@ MAX_ALIGN_SLOTS = 8192
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _route_kernel(logits_ptr, stride, w_ptr, ids_ptr, num_experts, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-                      RENORM: tl.constexpr, E_PAD: tl.constexpr):
+                      RENORM: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, E_PAD)
         x = tl.load(logits_ptr + t * stride + cols, mask=cols < num_experts, other=-float("inf"))
@@ -52,7 +54,8 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _align_kernel(ids_ptr, token_ptr, pos_ptr, offs_ptr, num_slots, TOP_K: tl.constexpr,
-                      CHUNKS: tl.constexpr, CHUNK: tl.constexpr):
+                      CHUNKS: tl.constexpr, CHUNK: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         e = tl.program_id(0)
         lanes = tl.arange(0, CHUNK)
         below = tl.zeros([], tl.int32)  # slots of experts < e: this expert's first row
@@ -73,7 +76,8 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _unpermute_kernel(y_ptr, w_ptr, pos_ptr, g_ptr, g_stride, s_ptr, out_ptr, hidden, TOP_K: tl.constexpr,
-                          SHARED: tl.constexpr, BLOCK: tl.constexpr):
+                          SHARED: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < hidden
@@ -102,7 +106,7 @@ def route(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[t
     weights = torch.empty(t, top_k, dtype=logits.dtype, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.long, device=logits.device)
     _route_kernel[(t,)](logits, logits.stride(0), weights, ids, e, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k),
-                        RENORM=renormalize, E_PAD=triton.next_power_of_2(e), num_warps=1)
+                        RENORM=renormalize, E_PAD=triton.next_power_of_2(e), num_warps=1, **triton_pdl.launch(logits))
     return weights, ids
 
 
@@ -116,7 +120,7 @@ def moe_align(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     offs = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     chunk = min(1024, triton.next_power_of_2(max(n, 16)))
     _align_kernel[(num_experts,)](ids, token, pos, offs, n, TOP_K=ids.shape[1], CHUNKS=triton.cdiv(n, chunk),
-                                  CHUNK=chunk, num_warps=max(1, min(4, chunk // 256)))
+                                  CHUNK=chunk, num_warps=max(1, min(4, chunk // 256)), **triton_pdl.launch(ids))
     return token, pos, offs
 
 
@@ -132,5 +136,5 @@ def moe_unpermute(y: torch.Tensor, weights: torch.Tensor, pos: torch.Tensor,
     block = min(1024, triton.next_power_of_2(h))
     _unpermute_kernel[(t, triton.cdiv(h, block))](y, weights.contiguous(), pos, gate, gate.stride(0), s.contiguous(),
                                                    out, h, TOP_K=k, SHARED=shared is not None, BLOCK=block,
-                                                   enable_fp_fusion=False)
+                                                   enable_fp_fusion=False, **triton_pdl.launch(y))
     return out

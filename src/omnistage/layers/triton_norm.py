@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_pdl
 
 if triton_ops.triton is not None:
     from omnistage.layers.triton_ops import libdevice, tl, triton
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _normed(v, r, w, dt):
@@ -26,7 +27,9 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _rms_norm_rope_kernel(x_ptr, w_ptr, w2_ptr, cos_ptr, sin_ptr, out_ptr, out2_ptr, half, heads, split,
-                              stride_t, stride_h, stride_cs, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr):
+                              stride_t, stride_h, stride_cs, eps, ROPE: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr):
+        gdc(PDL)
         row = tl.program_id(0)  # (token, head); heads < split: weight w, output out; the others w2, out2
         tok, head = row // heads, row % heads
         cols = tl.arange(0, BLOCK)
@@ -60,7 +63,8 @@ if triton_ops.triton is not None:
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, sum_ptr, n, stride_x, stride_r, eps,
-                             BLOCK: tl.constexpr):
+                             BLOCK: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -89,7 +93,8 @@ def _norm_rows(x: torch.Tensor, weight: torch.Tensor, weight2: torch.Tensor, spl
         cos, sin = cos.contiguous(), sin.contiguous()
     _rms_norm_rope_kernel[(t * heads,)](
         x, weight, weight2, cos if rope else x, sin if rope else x, out, out2, d // 2, heads, split,
-        x.stride(0), x.stride(1), cos.stride(0) if rope else 0, eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2))
+        x.stride(0), x.stride(1), cos.stride(0) if rope else 0, eps, ROPE=rope, BLOCK=triton.next_power_of_2(d // 2),
+        **triton_pdl.launch(x))
     return out, out2
 
 
@@ -118,5 +123,5 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out, total = x2.new_empty(x2.shape), x2.new_empty(x2.shape)
     _add_rms_norm_kernel[(x2.shape[0],)](x2, r2, weight, out, total, n, x2.stride(0), r2.stride(0), eps,
-                                         BLOCK=triton.next_power_of_2(n))
+                                         BLOCK=triton.next_power_of_2(n), **triton_pdl.launch(x2))
     return out.view(x.shape), total.view(x.shape)

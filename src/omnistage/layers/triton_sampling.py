@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from omnistage.layers import triton_ops
+from omnistage.layers import triton_ops, triton_pdl
 from omnistage.layers.triton_ops import triton
 
 if TYPE_CHECKING:
@@ -37,6 +37,7 @@ if triton is not None:
     import triton.language as tl
 
     from omnistage.layers.triton_ops import libdevice, log_noise
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _order_key(x):
@@ -117,7 +118,8 @@ if triton is not None:
                        temp_ptr, top_k_ptr, top_p_ptr, min_p_ptr, rep_ptr, pres_ptr, freq_ptr, seeds_ptr,
                        steps_ptr, out_ptr, vocab, HAS_SEEN: tl.constexpr, HAS_COUNTS: tl.constexpr,
                        HAS_SUPPRESS: tl.constexpr, SAMPLE: tl.constexpr, TRUNCATE: tl.constexpr,
-                       BLOCK: tl.constexpr, ARY: tl.constexpr):
+                       BLOCK: tl.constexpr, ARY: tl.constexpr, PDL: tl.constexpr):
+        gdc(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < vocab
@@ -161,5 +163,5 @@ def fused_sample(logits: torch.Tensor, st: SamplingTensors, steps: torch.Tensor,
         st.frequency_penalty, st.seeds, steps, out, vocab, HAS_SEEN=seen is not None,
         HAS_COUNTS=counts is not None, HAS_SUPPRESS=suppress is not None, SAMPLE=not st.all_greedy,
         TRUNCATE=st.need_truncation, BLOCK=block, ARY=SEARCH_ARY,
-        num_warps=WARPS.get(block, min(16, max(4, block // 512))), enable_fp_fusion=False)
+        num_warps=WARPS.get(block, min(16, max(4, block // 512))), enable_fp_fusion=False, **triton_pdl.launch(logits))
     return out
