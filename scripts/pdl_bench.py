@@ -1,6 +1,7 @@
 """Programmatic dependent launch (`layers.triton_pdl`) on the GPU: the talker's frame head (codebook 0 sampled, then
 the code predictor's 15 passes; one CUDA graph) of the full-size talker with random weights at batch 1 / 16 / 64,
-PDL off and on: ms a replay, and whether the codes agree. Prints a table; writes JSON to --out.
+PDL off, on, and on with the skinny GEMMs' weight prefetch (`OMNISTAGE_PDL` 0 / 1 / 2): ms a replay, and whether
+the codes agree with PDL off. Prints a table; writes JSON to --out.
 
 usage: python scripts/pdl_bench.py --out FILE [--batches 1,16,64]
 """
@@ -36,14 +37,19 @@ def main() -> None:
             st = SamplingTensors.build(params, list(range(b)), "cuda")
             frame = torch.zeros(b, dtype=torch.long, device="cuda")
             codes = {}
-            for pdl in (False, True):
-                triton_pdl.ENABLED = pdl
-                codes[pdl] = talker.head(hidden, st, frame, None)[0].clone()
-                ms = time_graph(lambda: talker.head(hidden, st, frame, None), 20)
-                res[f"b{b}_pdl{int(pdl)}_ms"] = round(ms, 3)
-                print(f"batch {b:3} PDL {pdl!s:5}: {ms:.3f} ms a frame head", flush=True)
-            res[f"b{b}_same_codes"] = bool(torch.equal(codes[False], codes[True]))
-            print(f"batch {b:3}: codes the same: {res[f'b{b}_same_codes']}", flush=True)
+            for mode in (0, 1, 2):
+                triton_pdl.ENABLED, triton_pdl.PREFETCH = mode > 0, mode > 1
+                try:
+                    codes[mode] = talker.head(hidden, st, frame, None)[0].clone()
+                    ms = time_graph(lambda: talker.head(hidden, st, frame, None), 20)
+                except Exception as e:  # NOTE: a mode that fails to compile or capture is reported, not fatal
+                    res[f"b{b}_pdl{mode}_error"] = repr(e)[:300]
+                    print(f"batch {b:3} PDL {mode}: {e!r}"[:300], flush=True)
+                    continue
+                res[f"b{b}_pdl{mode}_ms"] = round(ms, 3)
+                res[f"b{b}_pdl{mode}_same_codes"] = bool(torch.equal(codes[0], codes[mode]))
+                print(f"batch {b:3} PDL {mode}: {ms:.3f} ms a frame head, codes as PDL 0: "
+                      f"{res[f'b{b}_pdl{mode}_same_codes']}", flush=True)
     with open(a.out, "w") as f:
         json.dump(res, f, indent=1)
 
