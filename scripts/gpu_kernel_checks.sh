@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Kernel checks in one device call, no server (HISTORY 47's next calls 2-4): the GPU tests of the Triton kernels, then
+# Kernel checks without a server (HISTORY 47's next calls 2-4): the GPU tests of the Triton kernels, then
 # the same with programmatic dependent launch on (OMNISTAGE_PDL=1, graphs included: test_prefill_graph.py), the
 # sampler's warps (sample_bench.py), PDL on the full-size talker's frame head (pdl_bench.py) and code2wav's conv table
 # over every chunk length and batch (conv_bench.py); each step's log and JSON in $OUT, at most BENCH_STEP_S (300) s a
 # step. Two device calls (all of it passes 600 s): carry [".whl-rt"], timeout 600, commands
-#   BENCH_WHEELS=.whl-rt BENCH_CHECKS="tests tests-pdl sample pdl" bash scripts/gpu_kernel_checks.sh
-#   BENCH_WHEELS=.whl-rt BENCH_CHECKS=conv bash scripts/gpu_kernel_checks.sh
+#   BENCH_WHEELS=.whl-rt BENCH_CHECKS="tests tests-pdl" bash scripts/gpu_kernel_checks.sh
+#   BENCH_WHEELS=.whl-rt BENCH_CHECKS="sample pdl conv" bash scripts/gpu_kernel_checks.sh
 # Small scale on the CPU (the tests in Triton's interpreter): BENCH_PYTHON=.venv/bin/python BENCH_CHECKS=tests ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,9 +16,10 @@ exec > >(tee -a "$OUT/bench.log") 2>&1
 export PYTHONPATH=$PYTHONPATH:$PWD/scripts
 T0=$SECONDS
 read -ra CHECKS <<< "${BENCH_CHECKS:?BENCH_CHECKS names the steps: tests tests-pdl sample pdl conv}"
+# the kernels that take PDL, alone and in the decoder and the prefill / decode graphs
 TESTS=(tests/test_triton_pdl.py tests/test_triton_linear.py tests/test_triton_norm.py tests/test_triton_sampling.py
-       tests/test_triton_moe.py tests/test_triton_fused_moe.py tests/test_triton_attention.py tests/test_triton_conv.py
-       tests/test_code2wav_fused.py tests/test_decoder_fusion.py tests/test_prefill_graph.py)
+       tests/test_triton_moe.py tests/test_triton_fused_moe.py tests/test_triton_attention.py
+       tests/test_fused_projections.py tests/test_decoder_fusion.py tests/test_prefill_graph.py)
 
 # step NAME COMMAND...: COMMAND's output into $OUT/NAME.log, its last line here
 step() {
