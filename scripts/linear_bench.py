@@ -36,24 +36,6 @@ FP8_WIDE_K = [(16, 512, 4, 4, 1), (32, 512, 4, 3, 1), (16, 1024, 4, 3, 1), (32, 
 STREAM_BYTES = 128 << 20
 
 
-def time_us(call: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], iters: int,
-            replays: int) -> float:
-    call(weights[0])
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(iters):
-            call(weights[i % len(weights)])
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * iters)
-
-
 def time_graph(fn: Callable[[], object], replays: int = 10) -> float:
     """ms of one replay of `fn` captured as a CUDA graph."""
     fn()
@@ -69,6 +51,15 @@ def time_graph(fn: Callable[[], object], replays: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / replays
+
+
+def time_us(call: Callable[[torch.Tensor], torch.Tensor], weights: list[torch.Tensor], iters: int,
+            replays: int) -> float:
+    """us a call of `call` over `weights` in turn, `iters` calls captured in one graph (`time_graph`)."""
+    def calls() -> None:
+        for i in range(iters):
+            call(weights[i % len(weights)])
+    return time_graph(calls, replays) * 1e3 / iters
 
 
 def candidates(m: int, fp8_weights: bool = False) -> list[triton_linear.Config]:

@@ -2,8 +2,8 @@
 
 A kernel launched with PDL may start while the kernel before it on the stream still runs: its programs first wait
 (`griddepcontrol.wait`) until that kernel has finished and its writes are visible, then let the next kernel start
-(`griddepcontrol.launch_dependents`). In a CUDA graph of ~1 000 small kernels (a talker frame at batch 1) that
-hides each launch behind the kernel before it. A kernel that takes it calls `gdc(PDL)` before it touches memory that
+(`griddepcontrol.launch_dependents`). In a CUDA graph of ~1 000 small kernels (a talker frame at batch 1) that is
+to hide each launch behind the kernel before it. A kernel that takes it calls `gdc(PDL)` before it touches memory that
 another kernel writes and is launched with `**launch(x)`; the kernels without it (torch's, cuBLAS's) wait for the
 one before them as usual, so the two mix safely. `OMNISTAGE_PDL=1` turns it on, `OMNISTAGE_PDL=2` also lets the
 skinny GEMMs start loading their weights (no kernel's output) into L2 before the wait, as CUTLASS's weight-prefetch

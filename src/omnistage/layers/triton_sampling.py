@@ -23,8 +23,8 @@ MAX_VOCAB = 8192
 # probes per round of the threshold searches (one reduction a round); H200, B = 1, V = 2048, top-k 50, top-p 0.8:
 # 2 (bisection) 30.9 us a call, 4 27.3, 8 29.5, 16 34.8 (scripts/sample_bench.py)
 SEARCH_ARY = 4
-# warps a program by BLOCK (the vocabulary's next power of two), measured (`scripts/sample_bench.py`); others take
-# BLOCK / 512 within 4..16 (its ~13 block-wide reductions and the searches' rounds cost more with more warps)
+# warps a program by BLOCK (the vocabulary's next power of two) where `scripts/sample_bench.py` measured a better
+# count than the default, BLOCK / 512 within 4..16 (none yet: its sweep has not run on a GPU)
 WARPS: dict[int, int] = {}
 
 
