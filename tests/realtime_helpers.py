@@ -101,6 +101,16 @@ async def until(conn, last: str, limit: float = 60) -> list:
     return out
 
 
+async def scored(conn) -> list:
+    """The events sent until server VAD scored all the audio appended so far (their turns handled): the server
+    handles any other event after that (`RealtimeSession.handle`); a retrieve of no item is one, its error left
+    out. The test's appends run ahead of real time, the VAD behind them."""
+    await conn.conversation.item.retrieve(item_id="item_none")
+    events = await until(conn, "error")
+    assert events[-1].error.code == "item_not_found"
+    return events[:-1]
+
+
 async def setup(conn, session: dict) -> None:
     assert (await conn.recv()).type == "session.created"
     await conn.session.update(session=session)

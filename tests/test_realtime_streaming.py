@@ -14,8 +14,8 @@ import pytest
 import soundfile as sf
 from serve_process import MODEL, samples
 from realtime_helpers import (MANUAL, TURN, answer, append, assert_nothing_held, b64, chat, chat_audio,
-                             client, counter, long_speech_pcm, say, setup, silence, speech_pcm, until,
-                             wait_held)
+                             client, counter, long_speech_pcm, say, scored, setup, silence, speech_pcm,
+                             until, wait_held)
 
 pytest_plugins = ["realtime_helpers"]
 
@@ -44,10 +44,11 @@ LONG_TURN = {"type": "realtime", **TURN, "audio": {"input": {"turn_detection": {
 
 @pytest.mark.parametrize("placement", ["local", "pipeline"])
 def test_long_spoken_turn_prefilled_while_spoken_equals_chat(request, placement: str):
-    """A 17.5 s turn sent in 20-40 ms appends: its request is opened at speech start and its two complete
-    encoder windows (104 rows each) are prefilled before the turn ends (and kept), the rest where the silence
-    began; the answer is that of the committed clip through chat completions (same transcript, audio bytes
-    and usage). With `placement: pipeline` the stages run in a worker process: the same."""
+    """A 17.5 s turn sent in 20-40 ms appends: its request is opened at speech start (again at each pause
+    spoken on from: `EarlyPrefill.resume`) and its two complete encoder windows (104 rows each) are prefilled
+    before the turn ends (and kept), the rest where the silence began; the answer is that of the committed
+    clip through chat completions (same transcript, audio bytes and usage). With `placement: pipeline` the
+    stages run in a worker process: the same."""
     rt_server = request.getfixturevalue("rt_server" if placement == "local" else "rt_pipeline_server")
     pcm = silence(400) + long_speech_pcm()
     rows, prepared = "omnistage_realtime_streamed_prompt_rows_total", "omnistage_realtime_prepared_turns_total"
@@ -59,9 +60,11 @@ def test_long_spoken_turn_prefilled_while_spoken_equals_chat(request, placement:
             await setup(conn, {**LONG_TURN, "instructions": "Be brief."})
             for piece in pieces(pcm):
                 await conn.input_audio_buffer.append(audio=b64(piece))
+            # NOTE: the last reopening must be behind us, not in the VAD's backlog when the silence comes
+            heard = await scored(conn)
             wait_held(rt_server, (2 * 104 + 12) // 16 + 1)  # KV of the prefix and both windows (16 a block)
             await append(conn, silence(1500), 960)
-            return await until(conn, "response.done")
+            return heard + await until(conn, "response.done")
 
     events = asyncio.run(main())
     started, stopped = events[0], events[1]
