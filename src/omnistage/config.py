@@ -69,12 +69,15 @@ class ConnectorConfig:
     (`FrameChunk.talker_alone`; 0: `initial_codec_chunk_frames`): 1 starts the audio a talker step sooner. Only
     where a frame (a talker step, then code2wav's) takes well under a 1-frame first packet's 57 ms of audio, as
     on a GPU: on the CPU's tiny checkpoint 22 of 24 such streams stalled (benchmarks/HISTORY.md, 31st section);
-    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section)."""
+    the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
+    `idle_first_frame_alone`: while the thinker holds one request only, its second decode step waits for the
+    talker's first frame (pipeline/thinker/first_frame.py; placements local and pipeline only)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
     codec_chunk_growth: bool = r.opt(True, r.boolean)
+    idle_first_frame_alone: bool = r.opt(False, r.boolean)
 
 
 @dataclass(frozen=True)

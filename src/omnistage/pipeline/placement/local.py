@@ -136,7 +136,9 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                              prefill_context_ratio=sc.cuda_graph_prefill_context_ratio,
                              prefix_caching=p.deploy.enable_prefix_caching,
                              encoder_cache_bytes=p.deploy.encoder_cache_mb << 20, encoder_stream=sc.encoder_stream,
-                             max_encoder_tokens=sc.max_num_encoder_input_tokens)
+                             max_encoder_tokens=sc.max_num_encoder_input_tokens,
+                             hold_first_frame=p.deploy.connector.idle_first_frame_alone
+                             and p.deploy.placement in ("local", "pipeline"))  # NOTE: the talker's mark seen
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
                             max_num_batched_tokens=sc.max_num_batched_tokens, num_blocks=num_blocks,

@@ -26,6 +26,7 @@ from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals, media_tokens, take_within
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
+from omnistage.pipeline.thinker.first_frame import alone_before_first_frame, wait_first_frame
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.growth import PromptPiece, extend, piece_rows
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
@@ -45,7 +46,7 @@ class ThinkerStage(AsyncOutputStep):
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
                  encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0, encoder_stream: bool = False,
-                 max_encoder_tokens: int = 0) -> None:
+                 max_encoder_tokens: int = 0, hold_first_frame: bool = False) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
@@ -54,7 +55,8 @@ class ThinkerStage(AsyncOutputStep):
         `async_output`: see `step`. `prefix_caching`: prompts share computed prefixes (thinker/prefix.py);
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks. `encoder_stream`, `max_encoder_tokens`
-        (media tokens a step encodes; 0: all that arrived): see `arrivals`."""
+        (media tokens a step encodes; 0: all that arrived): see `arrivals`. `hold_first_frame`: see
+        `first_frame`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -96,6 +98,7 @@ class ThinkerStage(AsyncOutputStep):
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
+        self.hold_first_frame = hold_first_frame
 
     def stats(self) -> dict[str, int]:
         kv = self.scheduler.kv
@@ -161,6 +164,10 @@ class ThinkerStage(AsyncOutputStep):
             self.arrivals.add(self._encode(take_within(self.queued, budget)))
         for arrival in self.arrivals.ready(wait=not (self.waiting or self.running)):
             self._arrive(arrival)
+        if self.hold_first_frame and alone_before_first_frame(self) is not None:
+            self._drain()  # its first token to the talker (with async output still in flight)
+            if (req := alone_before_first_frame(self)) is not None:
+                wait_first_frame(req, self.inbox)
         return self.scheduler.schedule()
 
     def _encode(self, items: list[Request | PromptPiece]) -> Arrival:
