@@ -26,8 +26,8 @@ from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
 from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals, media_tokens, take_within
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
-from omnistage.pipeline.thinker.first_frame import alone_before_first_frame, wait_first_frame
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
+from omnistage.pipeline.thinker.first_frame import alone_before_first_frame, wait_first_frame
 from omnistage.pipeline.thinker.growth import PromptPiece, extend, piece_rows
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
