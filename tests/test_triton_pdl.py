@@ -64,7 +64,7 @@ def _replays(mode: int, monkeypatch: pytest.MonkeyPatch, n: int = 20) -> list[to
     w = _weights(g)
     x, res = torch.zeros(1, H, device="cuda", dtype=torch.bfloat16), torch.zeros(1, H, device="cuda",
                                                                                   dtype=torch.bfloat16)
-    cos, sin = torch.rand(1, 64, device="cuda").to(torch.bfloat16), torch.rand(1, 64, device="cuda").to(torch.bfloat16)
+    cos, sin = (torch.rand(1, 64, device="cuda", generator=g).to(torch.bfloat16) for _ in range(2))
     st = SamplingTensors.build([SimpleNamespace(temperature=1.0, top_k=50, top_p=0.8)], [7], "cuda")
     steps = torch.zeros(1, dtype=torch.long, device="cuda")
     _step(x, res, w, st, steps, cos, sin)  # compiles outside the capture
