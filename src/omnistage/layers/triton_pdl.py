@@ -7,7 +7,7 @@ to hide each launch behind the kernel before it. A kernel that takes it calls `g
 another kernel writes and is launched with `**launch(x)`; the kernels without it (torch's, cuBLAS's) wait for the
 one before them as usual, so the two mix safely. `OMNISTAGE_PDL=1` turns it on, `OMNISTAGE_PDL=2` also lets the
 skinny GEMMs start loading their weights (no kernel's output) into L2 before the wait, as CUTLASS's weight-prefetch
-example does (benchmarks/HISTORY.md, forty-seventh session: to be measured).
+example does (benchmarks/HISTORY.md, 48th section: one server measured, its bytes not yet checked on a GPU).
 """
 
 from __future__ import annotations
