@@ -1,7 +1,7 @@
 """Programmatic dependent launch (`layers.triton_pdl`) on the GPU: the talker's frame head (codebook 0 sampled, then
 the code predictor's 15 passes; one CUDA graph) of the full-size talker with random weights at batch 1 / 16 / 64,
-PDL off, on, and on with the skinny GEMMs' weight prefetch (`OMNISTAGE_PDL` 0 / 1 / 2): ms a replay, and whether
-the codes agree with PDL off. Prints a table; writes JSON to --out.
+PDL off and on (`OMNISTAGE_PDL` 0 / 1): ms a replay, and whether the codes agree
+with PDL off. Prints a table; writes JSON to --out.
 
 usage: python scripts/pdl_bench.py --out FILE [--batches 1,16,64]
 """
@@ -37,8 +37,8 @@ def main() -> None:
             st = SamplingTensors.build(params, list(range(b)), "cuda")
             frame = torch.zeros(b, dtype=torch.long, device="cuda")
             codes = {}
-            for mode in (0, 1, 2):
-                triton_pdl.ENABLED, triton_pdl.PREFETCH = mode > 0, mode > 1
+            for mode in (0, 1):
+                triton_pdl.ENABLED = mode > 0
                 try:
                     codes[mode] = talker.head(hidden, st, frame, None)[0].clone()
                     ms = time_graph(lambda: talker.head(hidden, st, frame, None), 20)

@@ -26,7 +26,7 @@ MAX_M = 64
 if triton_ops.triton is not None:
     from omnistage.layers.triton_activation import silu_mul_rounded
     from omnistage.layers.triton_ops import tl, triton
-    from omnistage.layers.triton_pdl import gdc, prefetch_rows
+    from omnistage.layers.triton_pdl import gdc
 
     @triton.jit
     def _finish(acc, acc_up, bias_ptr, cols, col_m, dt: tl.constexpr, HAS_BIAS: tl.constexpr,
@@ -44,17 +44,12 @@ if triton_ops.triton is not None:
     def _skinny_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, stride_xm, K: tl.constexpr,
                             K_SPLIT: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_BIAS: tl.constexpr,
                             GATED: tl.constexpr, SPLIT_K: tl.constexpr, PRECISION: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                            PREFETCH: tl.constexpr):
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
         """out[rows, cols] of x[rows] @ w[cols]^T (GATED: and of w[N + cols]); SPLIT_K > 1: the fp32 sums over
         K slice program_id(2) into `out [SPLIT_K, M, N]` (GATED: `[SPLIT_K, M, 2N]`, up sums at N + cols).
-        HAS_SCALE: `w` in FP8, row c's sums times scale[c]. PREFETCH: `triton_pdl.prefetch_lines`."""
+        HAS_SCALE: `w` in FP8, row c's sums times scale[c]."""
         cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         col_m = cols < N
-        if PREFETCH:  # NOTE: weights are no kernel's output, so they may load before the wait
-            prefetch_rows(w_ptr, cols, col_m, K, tl.program_id(2) * K_SPLIT, K_SPLIT, PREFETCH)
-            if GATED:
-                prefetch_rows(w_ptr + N * K, cols, col_m, K, tl.program_id(2) * K_SPLIT, K_SPLIT, PREFETCH)
         gdc(PDL)
         dt = x_ptr.dtype.element_ty
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -162,7 +157,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ga
         x, weight, scale_arg, bias_arg, ws, m, n, x.stride(0), K=k, K_SPLIT=k // split, HAS_SCALE=scale is not None,
         PRECISION=precision,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages, **flags,
-        PREFETCH=triton_pdl.prefetch_lines(x, k // split, weight.element_size()), **triton_pdl.launch(x))
+        **triton_pdl.launch(x))
     if split > 1:
         block = min(1024, triton.next_power_of_2(n))
         _split_k_reduce_kernel[(m, triton.cdiv(n, block))](ws, bias_arg, out, m, n, BLOCK_N=block, **flags,

@@ -24,8 +24,9 @@ MAX_VOCAB = 8192
 # 2 (bisection) 30.9 us a call, 4 27.3, 8 29.5, 16 34.8 (scripts/sample_bench.py)
 SEARCH_ARY = 4
 # warps a program by BLOCK (the vocabulary's next power of two) where `scripts/sample_bench.py` measured a better
-# count than the default, BLOCK / 512 within 4..16 (none yet: its sweep has not run on a GPU)
-WARPS: dict[int, int] = {}
+# count than the default, BLOCK / 512 within 4..16; H100, ARY 4, V = 2 048: 1 / 2 / 4 / 8 warps 90 / 49 / 27 / 23 us
+# at B = 1 (the code predictor's draw), 92 / 50 / 28 / 24 at 64; V = 3 072 (BLOCK 4 096): 8 already the best
+WARPS: dict[int, int] = {2048: 8}
 
 
 def supports(logits: torch.Tensor) -> bool:
