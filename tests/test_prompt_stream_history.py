@@ -171,7 +171,7 @@ def test_async_streaming_prompt_equals_generate() -> None:
 def test_a_prompt_renewed_while_admitted_is_admitted_as_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
     # a far thinker's copy of a growing request gets its prompt renewed on the host's thread (a restarting
     # piece's spec) while the worker admits it: the seq is the prompt that was encoded, not the one put there
-    import omnistage.pipeline.thinker.stage as stage
+    import omnistage.pipeline.thinker.admission as stage
 
     o, thinker = omni().engine, omni().engine.thinker
     make = lambda audio: o.make_request("renewed", [*HISTORY, {"role": "user", "content": [  # noqa: E731

@@ -16,28 +16,27 @@ from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.engine.request import Request
 from omnistage.layers import triton_ops
 from omnistage.layers.attention import allocate_kv_cache
-from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.rope_index import RopeSpec
 from omnistage.outputs import OutputDelta
 from omnistage.pipeline.async_output import AsyncOutputStep
 from omnistage.pipeline.connector import Inbox, TalkerPrompt, TextChunk
 from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
-from omnistage.pipeline.thinker.arrivals import Arrival, Arrivals, media_tokens, take_within
+from omnistage.pipeline.thinker.admission import ThinkerAdmission
+from omnistage.pipeline.thinker.arrivals import Arrivals
 from omnistage.pipeline.thinker.audio_graph import AUDIO_CHUNKS, AudioGraphRunner
 from omnistage.pipeline.thinker.eager import ThinkerEagerStep
 from omnistage.pipeline.thinker.encoder_cache import EncoderCache
 from omnistage.pipeline.thinker.first_frame import alone_before_first_frame, wait_first_frame
-from omnistage.pipeline.thinker.growth import PromptPiece, extend, piece_rows
-from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
-from omnistage.pipeline.thinker.prefix import prompt_hashes, register_prefix
+from omnistage.pipeline.thinker.growth import PromptPiece
+from omnistage.pipeline.thinker.prefix import register_prefix
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
 from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
 from omnistage.pipeline.thinker.vision_graph import VISION_FRAMES, VISION_ROWS, VisionGraphRunner
 
 
-class ThinkerStage(AsyncOutputStep):
+class ThinkerStage(AsyncOutputStep, ThinkerAdmission):
     """`step` (see `AsyncOutputStep`): with asynchronous output a request's next decode row takes its last
     token on the device, and a request that ends on a token has one more token computed and dropped."""
 
@@ -125,73 +124,14 @@ class ThinkerStage(AsyncOutputStep):
     def step(self) -> bool:
         return super().step() or bool(self.queued)  # NOTE: media left for the next step: no idle wait
 
-    def _admit(self, req: Request, prompt: PromptInputs | None = None, media: Media | None = None) -> ThinkerSeq:
-        """`media`: `prompt`'s encoder rows (`_encode`); None: encoded here (a prompt started over, `_grow`)."""
-        prompt = req.prompt if prompt is None else prompt  # NOTE: read once: a far copy's is renewed on another thread
-        if media is None:
-            with self.arrivals.encoding_now():
-                media = self._encode_one(prompt)
-        seq = new_seq(self.thinker, req, prompt, media, self.tokenizer, self.rope)
-        req.mark("encoded")
-        seq.open = req.growing
-        if self.prefix_caching:
-            seq.block_hashes = prompt_hashes(seq, prompt.media_keys, self.blocks.block_size)
-        return seq
-
-    def _grow(self, piece: PromptPiece, rows: torch.Tensor | None = None) -> None:
-        seq = next((s for s in [*self.waiting, *self.running] if s.req is piece.request), None)
-        if seq is None:  # aborted (or failed) meanwhile
-            return
-        if piece.restart:
-            self._release(seq)
-            piece.request.growing = not piece.closed
-            self.waiting.append(self._admit(piece.request))
-        else:
-            extend(self.thinker, seq, piece, self.tokenizer, rows)
-            if piece.closed and self.prefix_caching:  # the whole prompt's blocks are registered at its first token
-                seq.block_hashes = prompt_hashes(seq, piece.request.prompt.media_keys, self.blocks.block_size)
-
-    def _encode_one(self, prompt: PromptInputs) -> Media:
-        return encode_media(self.thinker, [prompt], self.device, self.dtype, self.encoder_cache, self.vision,
-                            self.audio)[0]
-
     def _schedule(self) -> list[tuple[ThinkerSeq, int]]:
-        """What arrived (within the media budget) through the encoders (`_encode`), what finished there admitted
-        (`_arrive`), then the scheduler's (seq, new tokens) for this step."""
-        budget = self.max_encoder_tokens
-        self.queued.extend((item, media_tokens(item, self.mm_ids) if budget else 0) for item in self.inbox.drain())
-        if self.queued:
-            self.arrivals.add(self._encode(take_within(self.queued, budget)))
-        for arrival in self.arrivals.ready(wait=not (self.waiting or self.running)):
-            self._arrive(arrival)
+        """What arrived admitted (`ThinkerAdmission`), then the scheduler's (seq, new tokens) for this step."""
+        self._take_arrivals()
         if self.hold_first_frame and alone_before_first_frame(self) is not None:
             self._drain()  # its first token to the talker (with async output still in flight)
             if (req := alone_before_first_frame(self)) is not None:
                 wait_first_frame(req, self.inbox)
         return self.scheduler.schedule()
-
-    def _encode(self, items: list[Request | PromptPiece]) -> Arrival:
-        """The encoders launched for what arrived: all requests' media at once (each alone if that fails, so
-        that only the one at fault fails), the pieces' audio."""
-        reqs = [r for r in items if isinstance(r, Request) and not r.aborted]
-        pieces = [p for p in items if isinstance(p, PromptPiece) and not p.request.aborted]
-        prompts = [r.prompt for r in reqs]  # NOTE: read once: a far copy's is renewed on another thread
-        with self.arrivals.encoding():
-            media = encode_together(self.thinker, prompts, self.device, self.dtype, self.encoder_cache, self.vision,
-                                    self.audio)
-            media = media or [self.faults.run(r, self._encode_one, p) for r, p in zip(reqs, prompts)]
-            rows = piece_rows(self.thinker, pieces, self.device, self.dtype, self.audio)
-        return Arrival(reqs, prompts, media, pieces, rows)
-
-    def _arrive(self, arrival: Arrival) -> None:
-        """Its requests admitted, then its pieces applied."""
-        for req, prompt, media in zip(arrival.reqs, arrival.prompts, arrival.media):
-            if media is not None and not req.aborted and \
-                    (seq := self.faults.run(req, self._admit, req, prompt, media)) is not None:
-                self.waiting.append(seq)
-        for piece, rows in zip(arrival.pieces, arrival.rows):
-            if not piece.request.aborted:
-                self.faults.run(piece.request, self._grow, piece, rows)
 
     def _tokens(self, batch: list[tuple[ThinkerSeq, int]]) -> int:
         return sum(n for _, n in batch)
