@@ -10,7 +10,8 @@ behind the largest prefills of `--stage` (a burst), so long steps and waits show
                                        where the audio ran out within --gap ms of the last; the steps before
                                        the largest groups; `cuda`: the allocator's allocations, frees, retries)
         [--segments 2 --long 150]     (instead: --stage's steps in segments split at pauses over 2 s, a bench
-                                       row each; per segment its longest steps and how many took over --long ms)"""
+                                       row each; per segment steps a second, busy, mean rows, its longest steps,
+                                       how many took over --long ms, and the steps with and without prefills)"""
 
 from __future__ import annotations
 
@@ -88,8 +89,13 @@ def print_segments(steps: list[dict], pause_s: float, long_ms: float) -> None:
         segments[-1].append(s)
     for seg in segments:
         ms = sorted((s["ms"] for s in seg), reverse=True)
-        print(f"t {seg[0]['t']:.1f}-{seg[-1]['t']:.1f} s: {len(seg)} steps, longest ms {[round(m) for m in ms[:8]]}, "
+        span = seg[-1]["t"] + seg[-1]["ms"] / 1e3 - seg[0]["t"]
+        rows = statistics.fmean(s["rows"] for s in seg)
+        print(f"t {seg[0]['t']:.1f}-{seg[-1]['t']:.1f} s: {len(seg)} steps ({len(seg) / span:.1f}/s, "
+              f"{sum(ms) / 1e3 / span:.0%} busy, {rows:.1f} rows), longest ms {[round(m) for m in ms[:8]]}, "
               f"{sum(m > long_ms for m in ms)} over {long_ms:.0f}")
+        print(f"  with prefill rows: {wall_stats([s for s in seg if prefill_rows(s)])}; "
+              f"without: {wall_stats([s for s in seg if not prefill_rows(s)])}")
 
 
 def main() -> None:

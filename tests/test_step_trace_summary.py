@@ -66,5 +66,8 @@ def test_rows_as_segments_with_their_longest_steps(tmp_path, capsys, monkeypatch
     monkeypatch.setattr("sys.argv", ["x", str(tmp_path), "--stage", "thinker", "--segments", "2", "--long", "150"])
     load_script("step_trace_summary").main()
     assert capsys.readouterr().out.splitlines() == [
-        "t 1.0-1.5 s: 3 steps, longest ms [300, 20, 9], 1 over 150",  # 5.0 starts a row: 3.5 s later
-        "t 5.0-5.2 s: 2 steps, longest ms [160, 151], 2 over 150"]
+        "t 1.0-1.5 s: 3 steps (5.9/s, 65% busy, 3.3 rows), longest ms [300, 20, 9], 1 over 150",  # 5.0: 3.5 s later
+        "  with prefill rows: n 1 mean 300.0 p50 300.0 p90 300.0 max 300.0; "
+        "without: n 2 mean 14.5 p50 20.0 p90 20.0 max 20.0",
+        "t 5.0-5.2 s: 2 steps (5.7/s, 89% busy, 3.0 rows), longest ms [160, 151], 2 over 150",
+        "  with prefill rows: -; without: n 2 mean 155.5 p50 160.0 p90 160.0 max 160.0"]
