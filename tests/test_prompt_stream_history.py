@@ -171,21 +171,21 @@ def test_async_streaming_prompt_equals_generate() -> None:
 def test_a_prompt_renewed_while_admitted_is_admitted_as_encoded(monkeypatch: pytest.MonkeyPatch) -> None:
     # a far thinker's copy of a growing request gets its prompt renewed on the host's thread (a restarting
     # piece's spec) while the worker admits it: the seq is the prompt that was encoded, not the one put there
-    import omnistage.pipeline.thinker.admission as stage
+    import omnistage.pipeline.thinker.admission as admission
 
     o, thinker = omni().engine, omni().engine.thinker
     make = lambda audio: o.make_request("renewed", [*HISTORY, {"role": "user", "content": [  # noqa: E731
         {"type": "audio", "audio": audio}, "Hi."]}], None, want_audio=False, voice="Ethan", sampling=SAMPLING,
         talker_sampling=TALKER, emit=lambda d: None)
     req, renewed = make(speech()[:40000]), make(speech()[:9 * 16000]).prompt
-    encode = stage.encode_media
+    encode = admission.encode_media
 
     def renew_meanwhile(*args, **kwargs):
         media = encode(*args, **kwargs)
         req.prompt = renewed
         return media
 
-    monkeypatch.setattr(stage, "encode_media", renew_meanwhile)
+    monkeypatch.setattr(admission, "encode_media", renew_meanwhile)
     prefix = req.prompt
     seq = thinker._admit(req)  # NOTE: read after encoding it was "117 placeholder tokens but 33 encoder rows"
     assert seq.prompt_ids.tolist() == prefix.input_ids and len(renewed.input_ids) > len(prefix.input_ids)
