@@ -72,13 +72,17 @@ class ConnectorConfig:
     the deploy files set 1 for CUDA (an H100: c = 1 TTFP -8 / -7 / -7 ms at P = 10 / 160 / 640, 32nd section).
     `idle_first_frame_alone`: while the thinker holds one request only, its second decode step waits for the
     talker's first frame (pipeline/thinker/first_frame.py; placements local and pipeline only; the deploy files
-    set it for CUDA: an H100, c = 1, TTFP 46 -> 42 ms, RTF 0.071 -> 0.073, 48th section)."""
+    set it for CUDA: an H100, c = 1, TTFP 46 -> 42 ms, RTF 0.071 -> 0.073, 48th section).
+    `talker_prompt_at_admission`: a text prompt's talker rows but the first token's go to the talker when the
+    thinker admits it, so they are prefilled beside the thinker's prefill (pipeline/thinker/early_prompt.py;
+    placements local and pipeline only)."""
 
     initial_codec_chunk_frames: int = r.opt(4, r.positive_int)
     idle_initial_codec_chunk_frames: int = r.opt(0, r.non_negative_int)
     codec_chunk_frames: int = r.opt(25, r.positive_int)
     codec_chunk_growth: bool = r.opt(True, r.boolean)
     idle_first_frame_alone: bool = r.opt(False, r.boolean)
+    talker_prompt_at_admission: bool = r.opt(False, r.boolean)
 
 
 @dataclass(frozen=True)

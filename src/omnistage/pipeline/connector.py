@@ -23,11 +23,13 @@ class TalkerPrompt:
     prompt_ids: torch.Tensor  # [L] thinker prompt ids, on the host
     embeds: torch.Tensor  # [L, Ht] thinker input embeddings (encoder rows scattered in)
     mm_hidden: torch.Tensor | None  # [M, Ht] accept-layer hidden rows at the M multimodal positions
+    ready: torch.cuda.Event | None = None  # `embeds` written on the thinker's stream (sent before its host sync)
 
 
 @dataclass
 class TextChunk:
-    """One generated thinker token (its input embedding), or the end of the text (`finished`)."""
+    """One generated thinker token (its input embedding), or the end of the text (`finished`); a `prompt` with
+    no `embed`: the talker prompt sent at the thinker's admission (pipeline/thinker/early_prompt.py)."""
 
     request: Request
     embed: torch.Tensor | None = None  # [Ht]
@@ -74,8 +76,11 @@ class Inbox(Generic[T]):
         return out
 
 
-def arrive(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A tensor from another stage's stream (or device), safe to use on this stage's stream."""
+def arrive(t: torch.Tensor, device: torch.device, ready: torch.cuda.Event | None = None) -> torch.Tensor:
+    """A tensor from another stage's stream (or device), safe to use on this stage's stream (after `ready`, the
+    producer's event, where the producer has not synchronized since writing it)."""
+    if ready is not None:
+        torch.cuda.current_stream(t.device).wait_event(ready)
     t = t.to(device, non_blocking=True)
     if t.is_cuda:
         # NOTE: without this the producer's allocator may reuse the memory while our stream still reads it.

@@ -111,6 +111,13 @@ def prompt_embeds_batch(talker: nn.Module, tokens: TalkerTokens, sources: Sequen
     return list(torch.cat(parts).index_select(0, index[:order.numel()]).split(sizes))
 
 
+def first_token_row(talker: nn.Module, tokens: TalkerTokens, first_embed: torch.Tensor) -> torch.Tensor:
+    """A prompt's last row [1, H] (the first generated token + codec_bos), as `prompt_embeds_batch` makes it, for
+    a prompt whose other rows were built before the first token (its placeholder row dropped)."""
+    # NOTE: the weight's row, not a lookup of a host id: that copy would wait for the talker's step in flight
+    return talker.text_projection(first_embed[None]) + talker.model.codec_embedding.weight[tokens.codec_bos]
+
+
 def prompt_embeds(talker: nn.Module, tokens: TalkerTokens, prompt_ids: torch.Tensor, thinker_embeds: torch.Tensor,
                   mm_hidden: torch.Tensor | None, first_embed: torch.Tensor, speaker: str) -> torch.Tensor:
     """One request's `prompt_embeds_batch` (see `prompt_source` for the arguments)."""

@@ -128,6 +128,7 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
            to_next: Callable | None, tokenizer: Any, tts: torch.Tensor | None
            ) -> ThinkerStage | TalkerStage | Code2WavStage:
     if name == "thinker":
+        same_process = p.deploy.placement in ("local", "pipeline")  # NOTE: the talker's mark seen, events shared
         stage = ThinkerStage(module, p.config, tokenizer, to_next, max_batch_size=sc.max_batch_size,
                              max_num_batched_tokens=sc.max_num_batched_tokens,
                              num_blocks=num_blocks, block_size=sc.block_size,
@@ -137,8 +138,8 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                              prefix_caching=p.deploy.enable_prefix_caching,
                              encoder_cache_bytes=p.deploy.encoder_cache_mb << 20, encoder_stream=sc.encoder_stream,
                              max_encoder_tokens=sc.max_num_encoder_input_tokens,
-                             hold_first_frame=p.deploy.connector.idle_first_frame_alone
-                             and p.deploy.placement in ("local", "pipeline"))  # NOTE: the talker's mark seen
+                             hold_first_frame=p.deploy.connector.idle_first_frame_alone and same_process,
+                             early_talker_prompt=p.deploy.connector.talker_prompt_at_admission and same_process)
     elif name == "talker":
         stage = TalkerStage(module, p.config, to_next, tts, max_batch_size=sc.max_batch_size,
                             max_num_batched_tokens=sc.max_num_batched_tokens, num_blocks=num_blocks,

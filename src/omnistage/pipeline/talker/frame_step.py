@@ -37,6 +37,10 @@ class TalkerFrameStep:
         return self.penalties.update_seen(to_device(fb.slots, torch.long, self.device),
                                           lambda seen: self.talker.head(hidden, st, frame_index, seen, ignore_eos))
 
+    def prefill_kv(self, fb: FrameBatch) -> None:
+        """The talker forward over prompt rows for their KV alone: no frame (an early prompt's rows)."""
+        self._hidden(fb)
+
     def _hidden(self, fb: FrameBatch) -> torch.Tensor:
         """The talker forward over a flat batch (any mix of prefills and decodes): each request's last hidden;
         through the prefill graphs where they take it (in as many runs as it needs)."""

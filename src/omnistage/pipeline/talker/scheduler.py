@@ -36,7 +36,8 @@ class TalkerScheduler:
         self.waiting.append(seq)
 
     def schedule(self) -> tuple[list[tuple[TalkerSeq, torch.Tensor]], list[tuple[TalkerSeq, Text]]]:
-        """(prefills: each with its prompt rows still to compute, decodes: each with its text row)."""
+        """(prefills: each with its prompt rows still to compute (one awaiting its first token: those before
+        it), decodes: each with its text row)."""
         swapped = self.kv.swapped
         running = [s for s in self.seqs.values() if s.slot >= 0]
         reserve = self.kv.make_room({s.req.request_id: self._next_blocks(s) for s in running
@@ -45,8 +46,8 @@ class TalkerScheduler:
             reserve += sum(self._blocks_ahead(s) for s in running)
         while self.waiting and not swapped:
             seq = self.waiting[0]
-            take_prefix(self.blocks, seq, seq.prompt_rows.shape[0] - ASSISTANT_ROWS)
-            if not (self.penalties.num_free and self.kv.grant(seq.req.request_id, seq.prompt_rows.shape[0], reserve)):
+            take_prefix(self.blocks, seq, seq.prompt_len - ASSISTANT_ROWS)
+            if not (self.penalties.num_free and self.kv.grant(seq.req.request_id, seq.prompt_len, reserve)):
                 break
             seq.slot = self.penalties.acquire()
             self.waiting.popleft()
@@ -57,6 +58,8 @@ class TalkerScheduler:
                 continue
             if not seq.prefilled:
                 prompt = seq.prompt_rows[seq.num_computed:]
+                if not prompt.shape[0]:
+                    continue  # awaiting its first token's row
                 if prefills and rows + prompt.shape[0] > self.max_num_batched_tokens:
                     continue  # NOTE: a later, shorter prompt may still fit
                 prefills.append((seq, prompt))

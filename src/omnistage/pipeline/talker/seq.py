@@ -18,6 +18,7 @@ from omnistage.pipeline.talker.runner import FrameBatch
 class TalkerSeq:
     req: Request
     prompt_rows: torch.Tensor  # [Lp, H]
+    awaiting: bool = False  # admitted before the thinker's first token: `prompt_rows` lack its row, the last
     texts: deque[torch.Tensor] = field(default_factory=deque)  # thinker embeds of g_1, g_2, ... not yet used
     num_texts: int = 1  # thinker tokens received (g_0 is in the prompt)
     thinker_done: bool = False
@@ -30,6 +31,14 @@ class TalkerSeq:
     codec_embed: torch.Tensor | None = None  # [H] of the last frame, waiting for its text row
     mrope: MRope | None = None  # 3-D prompt positions (images / videos); None: 1-D
     slot: int = -1  # its row of the stage's `PenaltyTable` (generated codebook-0 codes) once admitted
+
+    @property
+    def prompt_len(self) -> int:
+        return self.prompt_rows.shape[0] + self.awaiting
+
+    def take_first_token(self, row: torch.Tensor) -> None:
+        """The last prompt row [1, H] (`first_token_row`) of a request admitted before its first token."""
+        self.prompt_rows, self.awaiting = torch.cat([self.prompt_rows, row]), False
 
     def next_text(self) -> tuple[torch.Tensor | None, bool] | None:
         """The text side of the input after the last frame, as `text_rows` takes it (transformers'

@@ -14,24 +14,20 @@ from omnistage.engine.block_manager import BlockManager
 from omnistage.engine.kv_growth import KvGrowth
 from omnistage.engine.penalty_table import PenaltyTable
 from omnistage.layers.attention import allocate_kv_cache
-from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, prompt_mrope, text_rows
-from omnistage.models.qwen3_omni.talker_prompt_rows import (
-    PromptSource,
-    prompt_embeds_batch,
-    prompt_source,
-)
+from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, text_rows
 from omnistage.pipeline.async_output import AsyncOutputStep
-from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk, arrive
-from omnistage.pipeline.faults import StepFaults, together
+from omnistage.pipeline.connector import FrameChunk, Inbox, TextChunk
+from omnistage.pipeline.faults import StepFaults
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner, prefill_runner
+from omnistage.pipeline.talker.admission import TalkerAdmission
 from omnistage.pipeline.talker.frame_step import TalkerFrameStep
-from omnistage.pipeline.talker.prefix import prompt_hashes, register_prefix
+from omnistage.pipeline.talker.prefix import register_prefix
 from omnistage.pipeline.talker.runner import TalkerGraphRunner
 from omnistage.pipeline.talker.scheduler import TalkerScheduler
 from omnistage.pipeline.talker.seq import Launched, TalkerSeq, frame_batch
 
 
-class TalkerStage(AsyncOutputStep):
+class TalkerStage(TalkerAdmission, AsyncOutputStep):
     """`step` (see `AsyncOutputStep`): with asynchronous output a step's frames reach code2wav and end
     requests one step later, and a request ended by codec_eos has one extra frame computed and dropped."""
 
@@ -91,50 +87,6 @@ class TalkerStage(AsyncOutputStep):
     def num_active(self) -> int:
         return len(self.seqs)
 
-    @torch.no_grad()
-    def _receive(self) -> None:
-        chunks = [c for c in self.inbox.drain() if not c.request.aborted]
-        for chunk in chunks:
-            if chunk.embed is not None:
-                chunk.embed = arrive(chunk.embed, self.device)
-        # NOTE: admissions first: a request's first chunk may be drained together with its next ones
-        self._admit_all([c for c in chunks if c.prompt is not None])
-        for chunk in chunks:
-            if chunk.prompt is None and (seq := self.seqs.get(chunk.request.request_id)) is not None:
-                if chunk.finished:
-                    seq.thinker_done = True
-                else:
-                    seq.texts.append(chunk.embed)
-                    seq.num_texts += 1
-
-    def _admit_all(self, chunks: list[TextChunk]) -> None:
-        """Admits requests in arrival order: each prompt checked alone, then all their rows built together
-        (each alone when that fails, so that only the one at fault fails)."""
-        for chunk in chunks:
-            chunk.request.mark("talker_start")
-        checked = [(c, s) for c in chunks if (s := self.faults.run(c.request, self._source, c)) is not None]
-        sources = [s for _, s in checked]
-        rows = together(prompt_embeds_batch, self.talker, self.tokens, sources) if len(sources) > 1 else None
-        for i, (chunk, source) in enumerate(checked):
-            self.faults.run(chunk.request, self._admit, chunk, source, rows and rows[i])
-
-    def _source(self, chunk: TextChunk) -> PromptSource:
-        p = chunk.prompt
-        mm = None if p.mm_hidden is None else arrive(p.mm_hidden, self.device).to(self.dtype)
-        return prompt_source(self.tokens, p.prompt_ids,  # NOTE: host ids: no sync (talker_prompt_rows)
-                             arrive(p.embeds, self.device).to(self.dtype), mm, chunk.embed.to(self.dtype),
-                             chunk.request.voice)
-
-    def _admit(self, chunk: TextChunk, source: PromptSource, rows: torch.Tensor | None) -> None:
-        """`rows`: the request's prompt rows when built with others; else built here."""
-        req = chunk.request
-        rows = prompt_embeds_batch(self.talker, self.tokens, [source])[0] if rows is None else rows
-        seq = TalkerSeq(req, rows, mrope=prompt_mrope(self.tokens, chunk.prompt.prompt_ids, req.prompt))
-        if self.prefix_caching:
-            seq.block_hashes = prompt_hashes(chunk.prompt.prompt_ids, req.prompt, self.tokens,
-                                             self.blocks.block_size, chunk.prompt.mm_hidden is not None)
-        self.scheduler.add(seq)
-
     def _schedule(self) -> list[tuple[TalkerSeq, torch.Tensor]]:
         """The scheduler's prefills, then its decodes with their input rows (last frame's codec embedding + text)."""
         self._receive()
@@ -149,9 +101,15 @@ class TalkerStage(AsyncOutputStep):
     def _tokens(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> int:
         return sum(rows.shape[0] for _, rows in batch)
 
-    def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched:
-        # NOTE: with the runner, prefills and decodes run apart so decode rows always replay their graph.
-        groups = ([[e for e in batch if not e[0].prefilled], [e for e in batch if e[0].prefilled]]
+    def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched | None:
+        if early := [e for e in batch if e[0].awaiting]:  # prompt rows before a first token: their KV only
+            self.frame_step.prefill_kv(frame_batch(early, self.blocks.tables))
+            for seq, rows in early:
+                seq.num_computed += rows.shape[0]
+        batch = [e for e in batch if not e[0].awaiting]
+        # NOTE: with the runner, prompts and one-row inputs (decodes, an early prompt's last row) run apart so
+        # the one-row inputs always replay their graph.
+        groups = ([[e for e in batch if e[1].shape[0] > 1], [e for e in batch if e[1].shape[0] == 1]]
                   if self.runner else [batch])
         runs = []
         for group in filter(None, groups):
@@ -165,7 +123,7 @@ class TalkerStage(AsyncOutputStep):
                     seq.prefilled = True
                     register_prefix(self.blocks, seq)
             runs.append((group, frames))
-        return Launched.of(runs)
+        return Launched.of(runs) if runs else None
 
     def _complete(self, launched: Launched) -> None:
         c0 = iter(launched.codes0())

@@ -9,6 +9,7 @@ import torch
 from omnistage.engine.request import Request
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.pipeline.thinker.arrivals import Arrival, media_tokens, take_within
+from omnistage.pipeline.thinker.early_prompt import early_prompt
 from omnistage.pipeline.thinker.growth import PromptPiece, extend, piece_rows
 from omnistage.pipeline.thinker.inputs import Media, encode_media, encode_together, new_seq
 from omnistage.pipeline.thinker.prefix import prompt_hashes
@@ -17,7 +18,7 @@ from omnistage.pipeline.thinker.seq import ThinkerSeq
 
 class ThinkerAdmission:
     """Reads the stage's inbox, queued, arrivals, encoders (thinker, vision, audio, encoder_cache), faults,
-    waiting / running and `_release`."""
+    waiting / running, `_release`, and `to_talker` with `early_talker_prompt`."""
 
     def _take_arrivals(self) -> None:
         """What arrived (within the media budget) through the encoders (`_encode`), what finished there admitted
@@ -48,6 +49,8 @@ class ThinkerAdmission:
             if media is not None and not req.aborted and \
                     (seq := self.faults.run(req, self._admit, req, prompt, media)) is not None:
                 self.waiting.append(seq)
+                if self.early_talker_prompt and (chunk := early_prompt(seq)) is not None:
+                    self.to_talker(chunk)
         for piece, rows in zip(arrival.pieces, arrival.rows):
             if not piece.request.aborted:
                 self.faults.run(piece.request, self._grow, piece, rows)

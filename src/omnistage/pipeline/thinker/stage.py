@@ -45,7 +45,8 @@ class ThinkerStage(AsyncOutputStep, ThinkerAdmission):
                  block_size: int = 16, cuda_graph: bool = False, graph_batch_sizes: Sequence[int] = (),
                  prefill_tokens: Sequence[int] = (), async_output: bool = False, prefix_caching: bool = False,
                  encoder_cache_bytes: int = 0, prefill_context_ratio: int = 0, encoder_stream: bool = False,
-                 max_encoder_tokens: int = 0, hold_first_frame: bool = False) -> None:
+                 max_encoder_tokens: int = 0, hold_first_frame: bool = False,
+                 early_talker_prompt: bool = False) -> None:
         """`cuda_graph`: decode rows go through `ThinkerGraphRunner` (as the talker stage's runner), prefill
         chunks of the same step beside them: fresh prompts (media included) through `PrefillGraphRunner` when
         `prefill_tokens` (its token buckets) are given, rows past cached ones there too with
@@ -55,7 +56,7 @@ class ThinkerStage(AsyncOutputStep, ThinkerAdmission):
         `encoder_cache_bytes`: encoder rows kept for media sent again (thinker/encoder_cache.py), and as much
         again for the accept-layer rows kept beside cached prefix blocks. `encoder_stream`, `max_encoder_tokens`
         (media tokens a step encodes; 0: all that arrived): see `arrivals`. `hold_first_frame`: see
-        `first_frame`."""
+        `first_frame`; `early_talker_prompt`: see `early_prompt`."""
         self.thinker, self.tokenizer, self.to_talker = thinker, tokenizer, to_talker
         p = thinker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -97,7 +98,7 @@ class ThinkerStage(AsyncOutputStep, ThinkerAdmission):
         self.waiting, self.running = self.scheduler.waiting, self.scheduler.running  # the same queues
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
         self.faults, self.step_requests = StepFaults(), []  # see pipeline/faults.py
-        self.hold_first_frame = hold_first_frame
+        self.hold_first_frame, self.early_talker_prompt = hold_first_frame, early_talker_prompt
 
     def stats(self) -> dict[str, int]:
         kv = self.scheduler.kv

@@ -1,0 +1,126 @@
+"""Deploy `connector.talker_prompt_at_admission` (pipeline/thinker/early_prompt.py, pipeline/talker/admission.py): a
+text prompt's talker rows but the last go to the talker at the thinker's admission and are prefilled for their KV
+alone; the first token brings the last row, a one-row step. The same frames, tokens and audio as without it."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from test_talker_admission import PROMPTS, VOICES, stage_and_requests
+
+from omnistage.config_loader import default_deploy_config, load_deploy_config
+from omnistage.entrypoints.omni import Omni
+from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.pipeline.connector import TextChunk
+from omnistage.pipeline.thinker.early_prompt import early_prompt
+from omnistage.sampling_params import TalkerSamplingParams
+
+GREEDY_TALKER = TalkerSamplingParams(temperature=0, max_frames=6, ignore_eos=True)
+
+
+def early(chunk: TextChunk) -> TextChunk:
+    """The chunk the thinker sends at admission: the prompt, no token."""
+    return TextChunk(chunk.request, prompt=chunk.prompt)
+
+
+def frames_of(stage, chunk: TextChunk, sent: list, at_admission: bool) -> list[tuple[int, ...]]:
+    """The talker's frames for one request, its first token either with its prompt or after an early prompt."""
+    chunk.request.talker_sampling = GREEDY_TALKER
+    rows = []
+    if at_admission:
+        stage.add(early(chunk))
+        stage.step()  # the prompt's rows but the last: their KV, no frame
+        seq = stage.seqs[chunk.request.request_id]
+        rows = [seq.num_computed, seq.prompt_rows.shape[0], seq.awaiting, len(sent)]
+    stage.add(chunk)
+    g = torch.Generator().manual_seed(7)
+    for _ in range(8):
+        stage.add(TextChunk(chunk.request, torch.randn(chunk.embed.shape, generator=g)))
+        stage.step()
+    assert not stage.faults.drain()
+    return rows, [tuple(c.frame.tolist()) for c in sent if c.frame is not None]
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("prompt", [0, 2])
+def test_the_same_frames_with_the_prompt_at_admission(prompt: int) -> None:
+    got = {}
+    for at_admission in (False, True):
+        sent = []
+        stage, chunks = stage_and_requests(PROMPTS[prompt:prompt + 1], VOICES[:1], sent.append)
+        got[at_admission] = frames_of(stage, chunks[0], sent, at_admission)
+    user_rows = {0: 12, 2: 25 + 7}[prompt]
+    assert got[True][0] == [user_rows + 8, user_rows + 8, True, 0]  # all but the first token's row, no frame
+    assert len(got[False][1]) == 6 and got[True][1] == got[False][1]
+
+
+@torch.no_grad()
+def test_an_early_prompt_drained_with_its_first_token_is_admitted_once() -> None:
+    stage, chunks = stage_and_requests(PROMPTS[:2], VOICES[:2])
+    whole, _ = stage_and_requests(PROMPTS[:2], VOICES[:2])
+    for s, cs in ((stage, [early(chunks[0]), early(chunks[1]), chunks[0]]), (whole, chunks)):
+        for c in cs:
+            s.add(c)
+        s._receive()
+    assert [(s.req.request_id, s.awaiting) for s in stage.waiting] == [("r0", False), ("r1", True)]
+    torch.testing.assert_close(stage.seqs["r0"].prompt_rows, whole.seqs["r0"].prompt_rows, rtol=0, atol=0)
+    torch.testing.assert_close(stage.seqs["r1"].prompt_rows, whole.seqs["r1"].prompt_rows[:-1], rtol=0, atol=0)
+    stage.add(chunks[1])
+    stage._receive()  # the first token's row, one text_projection of one row: equal to fp32 rounding
+    torch.testing.assert_close(stage.seqs["r1"].prompt_rows, whole.seqs["r1"].prompt_rows, rtol=1e-6, atol=1e-6)
+    assert not stage.seqs["r1"].awaiting and len(stage.seqs) == 2
+
+
+@torch.no_grad()
+def test_an_abort_before_the_first_token_frees_the_talker() -> None:
+    stage, chunks = stage_and_requests(PROMPTS[:1], VOICES[:1])
+    free, slots = len(stage.blocks.free), stage.penalties.num_free
+    stage.add(early(chunks[0]))
+    stage.step()
+    assert len(stage.blocks.free) < free and stage.penalties.num_free == slots - 1
+    stage.abort("r0")
+    chunks[0].request.aborted = True
+    stage.add(chunks[0])
+    stage.step()
+    assert (len(stage.blocks.free), stage.penalties.num_free, len(stage.seqs)) == (free, slots, 0)
+
+
+def thinker_seq(audio: bool = True, mm: bool = False, growing: bool = False) -> SimpleNamespace:
+    req = SimpleNamespace(want_audio=audio)
+    return SimpleNamespace(req=req, has_mm=mm, open=growing, prompt_ids=torch.tensor([1, 2]),
+                           embeds=torch.zeros(2, 4))
+
+
+def test_only_a_final_text_prompt_that_wants_audio_goes_early() -> None:
+    seq = thinker_seq()
+    chunk = early_prompt(seq)
+    assert chunk.request is seq.req and chunk.embed is None and chunk.prompt.embeds is seq.embeds
+    assert chunk.prompt.mm_hidden is None and chunk.prompt.ready is None  # a CPU tensor: no event
+    assert [early_prompt(thinker_seq(**kw)) for kw in ({"audio": False}, {"mm": True}, {"growing": True})] == \
+        [None] * 3
+
+
+def test_same_outputs_through_the_engine(monkeypatch) -> None:
+    d = tiny_checkpoint("tiny")
+    conv = [{"role": "user", "content": "Tell me about the sea and the sky."}]
+    greedy = dict(sampling={"temperature": 0, "max_tokens": 9},
+                  talker_sampling={"temperature": 0, "max_frames": 12, "ignore_eos": True})
+    out = {}
+    for on in (False, True):
+        deploy = load_deploy_config(default_deploy_config(d), platform="cpu",
+                                    overrides={"connector": {"talker_prompt_at_admission": on}})
+        o = Omni(d, deploy=deploy, device="cpu")
+        talker, kv_rows = o.engine.talkers[0], []
+        prefill_kv = talker.frame_step.prefill_kv
+        monkeypatch.setattr(talker.frame_step, "prefill_kv", lambda fb: (kv_rows.append(fb.lens), prefill_kv(fb)))
+        try:
+            out[on] = o.chat(conv, **greedy), kv_rows
+        finally:
+            o.engine.shutdown()
+    (a, none), (b, rows) = out[False], out[True]
+    assert none == [] and len(rows) == 1 and len(rows[0]) == 1  # the early prompt's KV, once
+    assert b.token_ids == a.token_ids and len(b.token_ids) == 9
+    assert np.array_equal(a.codes, b.codes) and b.codes.shape == (16, 12) and np.array_equal(a.audio, b.audio)
