@@ -40,6 +40,33 @@ def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
     assert pair[0].shape == rows.shape and torch.equal(pair[0], pair[1]) and not torch.equal(pair[0], rows)
 
 
+def test_an_early_talker_prompt_does_not_sync_the_device() -> None:
+    # sent at admission (connector.talker_prompt_at_admission): an event orders the embeddings, not a sync
+    from omnistage.models.qwen3_omni.talker_prompt_rows import first_token_row, prompt_embeds, prompt_embeds_batch
+    from omnistage.pipeline.thinker.early_prompt import early_prompt
+
+    o = omni_cuda()
+    thinker, talker = o.engine.thinker, o.engine.talkers[0]
+    req = o.engine.make_request("sync-early", [{"role": "user", "content": PROMPTS[1]}], None, want_audio=True,
+                                voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
+                                emit=lambda d: None)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        seq = thinker._admit(req, media=(None, None, None))
+        chunk = early_prompt(seq)
+        rows = prompt_embeds_batch(talker.talker, talker.tokens, [talker._source(chunk)])[0][:-1]
+        first = seq.embeds[-1].to(talker.dtype)
+        row = first_token_row(talker.talker, talker.tokens, first)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    whole = prompt_embeds(talker.talker, talker.tokens, seq.prompt_ids, seq.embeds.to(talker.dtype), None, first,
+                          "Ethan")
+    assert isinstance(chunk.prompt.ready, torch.cuda.Event) and chunk.embed is None
+    assert torch.equal(rows, whole[:-1]) and row.shape == (1, whole.shape[1])
+    torch.testing.assert_close(row[0].float(), whole[-1].float(), rtol=0.02, atol=0.02)  # one row's GEMM, bf16
+
+
 @pytest.mark.parametrize("part", [{"type": "audio", "audio": tone(1.1)}, {"type": "image", "image": image(5, 30, 44)}],
                          ids=["audio", "image"])
 def test_media_admission_does_not_sync_the_device(part: dict) -> None:

@@ -8,14 +8,25 @@ import functools
 import pytest
 import torch
 from conftest import hf_reference
-from test_talker import ASSISTANT, AUDIO, AUDIO_END, AUDIO_START, IM_END, IM_START, NL, SYSTEM, USER, load_talker
+from test_talker import (
+    ASSISTANT,
+    AUDIO,
+    AUDIO_END,
+    AUDIO_START,
+    IM_END,
+    IM_START,
+    NL,
+    SYSTEM,
+    USER,
+    load_talker,
+)
 
 from omnistage.engine.request import Request
 from omnistage.models.qwen3_omni.prompt import PromptInputs
 from omnistage.models.qwen3_omni.talker_prompt import TalkerTokens, user_mask
 from omnistage.models.qwen3_omni.talker_prompt_rows import prompt_embeds, prompt_embeds_batch, prompt_source
-from omnistage.pipeline.talker import admission as talker_admission
 from omnistage.pipeline.connector import TalkerPrompt, TextChunk
+from omnistage.pipeline.talker import admission as talker_admission
 from omnistage.pipeline.talker.stage import TalkerStage
 from omnistage.sampling_params import SamplingParams, TalkerSamplingParams
 
@@ -104,7 +115,8 @@ def stage_and_requests(ids_list: list[list[int]], voices: list[str],
 
 def spy_builds(monkeypatch) -> list[int]:
     sizes, real = [], prompt_embeds_batch
-    monkeypatch.setattr(talker_admission, "prompt_embeds_batch", lambda t, k, s: (sizes.append(len(s)), real(t, k, s))[1])
+    monkeypatch.setattr(talker_admission, "prompt_embeds_batch",
+                        lambda t, k, s: (sizes.append(len(s)), real(t, k, s))[1])
     return sizes
 
 
