@@ -178,13 +178,14 @@ def test_bucket_edges(lens: list[int]) -> None:
 
 
 @functools.cache
-def omni_cuda(connector: dict | None = None) -> Omni:
+def omni_cuda(early_talker_prompt: bool = False) -> Omni:
     d = tiny_checkpoint("tiny")
     cfg = load_deploy_config(default_deploy_config(d), platform="cuda", stage_overrides={
         name: {"block_size": BLOCK, "kv_cache_memory": 2**26, "cuda_graph_batch_sizes": [1, 2, 4],
                "cuda_graph_capture_widths": [], "cuda_graph_prefill_tokens": list(BUCKETS)}
         for name in ("thinker", "talker", "code2wav")},
-        overrides={"placement": "local", **({"connector": connector} if connector else {})})  # NOTE: see its stages
+        overrides={"placement": "local",  # the tests read its stages in this process
+                   "connector": {"talker_prompt_at_admission": early_talker_prompt}})
     return Omni(d, deploy=cfg, device="cuda")
 
 
