@@ -29,6 +29,7 @@ def test_packaged_config_loads_for_every_platform():
     cpu = load_deploy_config(DEFAULT_YAML, "cpu")
     assert (cuda.connector.idle_initial_codec_chunk_frames, cpu.connector.idle_initial_codec_chunk_frames) == (1, 0)
     assert (cuda.connector.idle_first_frame_alone, cpu.connector.idle_first_frame_alone) == (True, False)
+    assert (cuda.connector.talker_prompt_at_admission, cpu.connector.talker_prompt_at_admission) == (True, False)
     assert [cpu.stage(s).cuda_graph for s in ("thinker", "talker", "code2wav")] == [False] * 3
     assert cpu.stages.thinker.dtype == "float32" and cpu.stages.thinker.kv_cache_memory == 67108864
     assert cpu.stages.thinker.max_batch_size == cuda.stages.thinker.max_batch_size == 64
