@@ -1,5 +1,6 @@
 """Talker stage: one codec frame per request per step (talker forward, codebook 0, 15 code-predictor
-passes, next input), batched across requests. A request joins after the thinker's first token and
+passes, next input), batched across requests. A request joins after the thinker's first token (a text prompt
+with `talker_prompt_at_admission` at the thinker's admission, its rows but the last prefilled for their KV) and
 then needs one text row per frame; it waits only when the thinker lags."""
 
 from __future__ import annotations

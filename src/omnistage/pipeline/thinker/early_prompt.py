@@ -3,7 +3,7 @@
 A talker prompt's rows are its user turns' text rows, then 9 assistant rows of which only the last holds the first
 generated token (models/qwen3_omni/talker_prompt_rows.py). So all but that row are known once the thinker has
 admitted a request: sent then, the talker prefills them beside the thinker's prefill and takes one row, a decode
-step, at the first token (pipeline/talker/early.py). Text prompts only: a multimodal position's talker row is an
+step, at the first token (pipeline/talker/admission.py). Text prompts only: a multimodal position's talker row is an
 accept-layer hidden row, which the thinker's prefill makes; a growing prompt (realtime) is not final yet."""
 
 from __future__ import annotations
