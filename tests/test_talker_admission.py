@@ -96,13 +96,14 @@ def test_batched_prompt_rows_equal_one_at_a_time():
     assert not torch.equal(prompt_embeds(talker, tokens, *with_embeds), batch[1])
 
 
-def stage_and_requests(ids_list: list[list[int]], voices: list[str],
-                       to_code2wav=lambda f: None) -> tuple[TalkerStage, list[TextChunk]]:
+def stage_and_requests(ids_list: list[list[int]], voices: list[str], to_code2wav=lambda f: None,
+                       **stage_kwargs) -> tuple[TalkerStage, list[TextChunk]]:
     hf = hf_reference("tiny")
     talker, config = load_talker(hf), hf.config
     tts = torch.tensor([config.tts_bos_token_id, config.tts_eos_token_id, config.tts_pad_token_id])
     with torch.no_grad():
-        stage = TalkerStage(talker, config, to_code2wav, hf.thinker.get_input_embeddings()(tts), num_blocks=64)
+        stage = TalkerStage(talker, config, to_code2wav, hf.thinker.get_input_embeddings()(tts), num_blocks=64,
+                            **stage_kwargs)
     width = talker.text_projection.linear_fc1.in_features
     chunks = []
     for i, (ids, voice) in enumerate(zip(ids_list, voices)):

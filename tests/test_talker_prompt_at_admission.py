@@ -58,6 +58,29 @@ def test_the_same_frames_with_the_prompt_at_admission(prompt: int) -> None:
 
 
 @torch.no_grad()
+@pytest.mark.parametrize("prompt", [0, 1, 2])  # 1: audio rows (accept-layer hidden)
+def test_the_same_frames_with_the_last_prompt_row_in_the_decode_graph(prompt: int) -> None:
+    """Stage key `last_prompt_row_in_decode` (the runner, eager on the CPU): a prompt's rows but the last for their
+    KV, the last with the decodes; with and without an early prompt."""
+    got, kv = {}, []
+    for split, at_admission in ((False, False), (True, False), (True, True)):
+        sent = []
+        stage, chunks = stage_and_requests(PROMPTS[prompt:prompt + 1], VOICES[:1], sent.append, cuda_graph=True,
+                                           last_prompt_row_in_decode=split)
+        prefill_kv, runs = stage.frame_step.prefill_kv, []
+        stage.frame_step.prefill_kv = lambda fb: (kv.append(fb.lens), prefill_kv(fb))[1]
+        stage.runner.run = lambda fb, run=stage.runner.run: (runs.append(fb.lens), run(fb))[1]
+        if prompt == 1 and at_admission:
+            continue  # NOTE: a prompt with media is never sent early
+        got[split, at_admission] = frames_of(stage, chunks[0], sent, at_admission)[1], runs
+    rows = {0: 12, 1: 14, 2: 32}[prompt] + 9
+    assert len(got[False, False][0]) == 6 and got[True, False][0] == got[False, False][0]
+    assert [r for r, _ in got.values()] == [got[False, False][0]] * len(got)
+    assert got[False, False][1] == [[1]] * 5 and all(runs == [[1]] * 6 for _, runs in list(got.values())[1:])
+    assert kv == [[rows - 1]] + ([[rows - 1]] if prompt != 1 else [])
+
+
+@torch.no_grad()
 def test_an_early_prompt_drained_with_its_first_token_is_admitted_once() -> None:
     stage, chunks = stage_and_requests(PROMPTS[:2], VOICES[:2])
     whole, _ = stage_and_requests(PROMPTS[:2], VOICES[:2])

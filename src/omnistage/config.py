@@ -46,6 +46,8 @@ class StageConfig:
     encoder_stream: bool = r.opt(False, r.boolean)  # thinker: its encoders on a CUDA stream of their own (arrivals.py)
     max_num_encoder_input_tokens: int = r.opt(0, r.non_negative_int)  # thinker: media tokens encoded a step (0: all)
     kv_lookahead: int = r.opt(0, r.non_negative_int)  # talker: frames of KV each running stream keeps at admissions
+    # talker: a prompt's rows but the last for their KV alone, the last with the decodes (their graph makes its frame)
+    last_prompt_row_in_decode: bool = r.opt(False, r.boolean)
     sampling: dict = field(default_factory=dict, metadata={"check": r.mapping})
 
     @property

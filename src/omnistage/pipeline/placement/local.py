@@ -147,7 +147,8 @@ def _stage(p: Placement, name: str, sc: StageConfig, module: torch.nn.Module, nu
                             graph_batch_sizes=sc.graph_batch_sizes(),
                             prefill_tokens=sc.cuda_graph_prefill_tokens, async_output=p.deploy.async_output,
                             prefix_caching=p.deploy.enable_prefix_caching,
-                            prefill_context_ratio=sc.cuda_graph_prefill_context_ratio, kv_lookahead=sc.kv_lookahead)
+                            prefill_context_ratio=sc.cuda_graph_prefill_context_ratio, kv_lookahead=sc.kv_lookahead,
+                            last_prompt_row_in_decode=sc.last_prompt_row_in_decode)
     else:
         conn = p.deploy.connector
         stage = Code2WavStage(module, max_batch_size=sc.max_batch_size,

@@ -37,14 +37,16 @@ class TalkerStage(TalkerAdmission, AsyncOutputStep):
                  num_blocks: int = 1024, block_size: int = 16, cuda_graph: bool = False,
                  graph_batch_sizes: Sequence[int] = (), prefill_tokens: Sequence[int] = (),
                  async_output: bool = False, prefix_caching: bool = False, prefill_context_ratio: int = 0,
-                 kv_lookahead: int = 0) -> None:
+                 kv_lookahead: int = 0, last_prompt_row_in_decode: bool = False) -> None:
         """`cuda_graph`: decodes go through `TalkerGraphRunner` (static buffers, batches padded to
         `graph_batch_sizes`, default as the deploy config's; graphs captured on CUDA only, run eagerly
         elsewhere), prefills as a forward (through `PrefillGraphRunner` at its `prefill_tokens` buckets when
         given and the prompts fit, rows past cached ones there too with `prefill_context_ratio`, else
         eagerly) plus its head graph; one KV block is then reserved for padding rows. `prefix_caching`: the
         prompts' user-turn rows are cached (talker/prefix.py). `max_num_batched_tokens`: rows a step,
-        `kv_lookahead`: frames of room each running request keeps at an admission (`TalkerScheduler`)."""
+        `kv_lookahead`: frames of room each running request keeps at an admission (`TalkerScheduler`).
+        `last_prompt_row_in_decode`: a prompt's rows but the last are prefilled for their KV alone and the last
+        goes with the step's decodes, so one decode graph replay makes every frame of the step (no head graph)."""
         self.talker, self.to_code2wav = talker, to_code2wav
         p = talker.model.norm.weight  # NOTE: not the first parameter: FP8 weights (`quantization`)
         self.device, self.dtype = p.device, p.dtype
@@ -67,6 +69,7 @@ class TalkerStage(TalkerAdmission, AsyncOutputStep):
             self.prefill = prefill_runner(talker.model, prefill_tokens, max_batch_size, block_size, scratch,
                                           context_ratio=prefill_context_ratio)
         self.prefix_caching = prefix_caching
+        self.last_row_in_decode = last_prompt_row_in_decode
         self.frame_step = TalkerFrameStep(talker, self.blocks, self.penalties, self.runner, self.prefill)
         self.inbox: Inbox[TextChunk] = Inbox()
         self.async_output = async_output  # `step`'s `last_batch` / `pending` start as `AsyncOutputStep`'s
@@ -103,13 +106,17 @@ class TalkerStage(TalkerAdmission, AsyncOutputStep):
         return sum(rows.shape[0] for _, rows in batch)
 
     def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched | None:
-        if early := [e for e in batch if e[0].awaiting]:  # prompt rows before a first token: their KV only
-            self.frame_step.prefill_kv(frame_batch(early, self.blocks.tables))
-            for seq, rows in early:
+        def split(rows: torch.Tensor) -> bool:
+            return self.last_row_in_decode and rows.shape[0] > 1
+
+        # prompt rows for their KV alone: an early prompt's before its first token, all but the last with `split`
+        if kv := [(s, r if s.awaiting else r[:-1]) for s, r in batch if s.awaiting or split(r)]:
+            self.frame_step.prefill_kv(frame_batch(kv, self.blocks.tables))
+            for seq, rows in kv:
                 seq.num_computed += rows.shape[0]
-        batch = [e for e in batch if not e[0].awaiting]
-        # NOTE: with the runner, prompts and one-row inputs (decodes, an early prompt's last row) run apart so
-        # the one-row inputs always replay their graph.
+        batch = [(s, r[-1:] if split(r) else r) for s, r in batch if not s.awaiting]
+        # NOTE: with the runner, prompts and one-row inputs (decodes, a prompt's last row) run apart so the
+        # one-row inputs always replay their graph.
         groups = ([[e for e in batch if e[1].shape[0] > 1], [e for e in batch if e[1].shape[0] == 1]]
                   if self.runner else [batch])
         runs = []
