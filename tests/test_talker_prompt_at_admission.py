@@ -26,8 +26,9 @@ def early(chunk: TextChunk) -> TextChunk:
     return TextChunk(chunk.request, prompt=chunk.prompt)
 
 
-def frames_of(stage, chunk: TextChunk, sent: list, at_admission: bool) -> list[tuple[int, ...]]:
-    """The talker's frames for one request, its first token either with its prompt or after an early prompt."""
+def frames_of(stage, chunk: TextChunk, sent: list, at_admission: bool) -> tuple[list, list[tuple[int, ...]]]:
+    """(the early seq's state after its KV step, or [], the talker's frames) for one request, its first token with its
+    prompt or after an early prompt."""
     chunk.request.talker_sampling = GREEDY_TALKER
     rows = []
     if at_admission:
