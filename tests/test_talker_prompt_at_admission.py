@@ -9,11 +9,13 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from test_talker_admission import PROMPTS, VOICES, stage_and_requests
+from test_talker import IM_START, NL, USER
+from test_talker_admission import PROMPTS, VOICES, stage_and_requests, talker_and_tokens
 
 from omnistage.config_loader import default_deploy_config, load_deploy_config
 from omnistage.entrypoints.omni import Omni
 from omnistage.models.qwen3_omni.make_tiny import tiny_checkpoint
+from omnistage.models.qwen3_omni.rope_index import mrope_positions
 from omnistage.pipeline.connector import TextChunk
 from omnistage.pipeline.thinker.early_prompt import early_prompt
 from omnistage.sampling_params import TalkerSamplingParams
@@ -79,6 +81,20 @@ def test_the_same_frames_with_the_last_prompt_row_in_the_decode_graph(prompt: in
     assert [r for r, _ in got.values()] == [got[False, False][0]] * len(got)
     assert got[False, False][1] == [[1]] * 5 and all(runs == [[1]] * 6 for _, runs in list(got.values())[1:])
     assert kv == [[rows - 1]] + ([[rows - 1]] if prompt != 1 else [])
+
+
+def test_a_prompts_last_row_sits_at_index_plus_delta() -> None:
+    """The decode graph puts a prompt's last row at index + the M-RoPE delta on every axis: the position the prompt's
+    own 3-D layout gives it (its trailing text after the media), so `last_prompt_row_in_decode` keeps image prompts'
+    positions."""
+    tokens = talker_and_tokens()[1]
+    spec, vision_end = tokens.rope, 999
+    grid = torch.tensor([[1, 2 * spec.spatial_merge_size, 3 * spec.spatial_merge_size]])  # 6 image tokens
+    ids = [IM_START, USER, NL, spec.vision_start, *[spec.image_token] * 6, vision_end, 7, 8, *[tokens.tts_pad] * 9]
+    m = mrope_positions(ids, spec, grid)
+    # 4 text rows at 0-3, the image at 4 + its (t, h, w) offsets (h < 2, w < 3), then 12 text rows at 7-18
+    assert m.positions[:, -1].tolist() == [len(ids) - 1 + m.delta] * 3 == [18.0] * 3
+    assert m.positions[:, 4:10].unique(dim=1).shape[1] == 6 and len(set(m.positions[:, 5].tolist())) > 1
 
 
 @torch.no_grad()
