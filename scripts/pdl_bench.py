@@ -1,7 +1,7 @@
 """Programmatic dependent launch (`layers.triton_pdl`) on the GPU: the talker's frame head (codebook 0 sampled, then
 the code predictor's 15 passes; one CUDA graph) of the full-size talker with random weights at batch 1 / 16 / 64,
-PDL off and on (`OMNISTAGE_PDL` 0 / 1): ms a replay, and whether the codes agree
-with PDL off. Prints a table; writes JSON to --out.
+PDL off and on (`OMNISTAGE_PDL` 0 / 1): ms a replay, and whether the codes agree with PDL off. Prints a table;
+writes JSON to --out.
 
 usage: python scripts/pdl_bench.py --out FILE [--batches 1,16,64]
 """

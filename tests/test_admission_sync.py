@@ -3,12 +3,34 @@ embeddings and positions) and its talker prompt launch work without a host sync 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from mm_samples import image, tone
 from test_prefill_graph import PROMPTS, omni_cuda
 
+from omnistage.engine.request import Request
+
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are a CUDA matter")
+
+
+def request(o, request_id: str, content) -> Request:
+    return o.engine.make_request(request_id, [{"role": "user", "content": content}], None, want_audio=True,
+                                 voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
+                                 emit=lambda d: None)
+
+
+@contextlib.contextmanager
+def no_host_sync() -> Iterator[None]:
+    """A host sync inside raises (the device idle first, so nothing in flight is waited on by accident)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
@@ -21,20 +43,14 @@ def test_admission_and_talker_prompt_do_not_sync_the_device() -> None:
 
     o = omni_cuda()
     thinker, talker = o.engine.thinker, o.engine.talkers[0]  # idle workers: nothing else admits meanwhile
-    req = o.engine.make_request("sync", [{"role": "user", "content": PROMPTS[1]}], None, want_audio=True,
-                                voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
-                                emit=lambda d: None)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    req = request(o, "sync", PROMPTS[1])
+    with no_host_sync():
         seq = thinker._admit(req, media=(None, None, None))
         slot = thinker.penalties.acquire(seq.prompt_ids)
         embeds = seq.embeds.to(talker.dtype)
         rows = prompt_embeds(talker.talker, talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Ethan")
         source = prompt_source(talker.tokens, seq.prompt_ids, embeds, None, embeds[-1], "Chelsie")
         pair = prompt_embeds_batch(talker.talker, talker.tokens, [source, source])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     thinker.penalties.release(slot)
     assert not seq.prompt_ids.is_cuda and not seq.has_mm and rows.is_cuda and rows.shape[0] > 9
     assert pair[0].shape == rows.shape and torch.equal(pair[0], pair[1]) and not torch.equal(pair[0], rows)
@@ -47,19 +63,13 @@ def test_an_early_talker_prompt_does_not_sync_the_device() -> None:
 
     o = omni_cuda()
     thinker, talker = o.engine.thinker, o.engine.talkers[0]
-    req = o.engine.make_request("sync-early", [{"role": "user", "content": PROMPTS[1]}], None, want_audio=True,
-                                voice="Ethan", sampling={"max_tokens": 4}, talker_sampling={"max_frames": 4},
-                                emit=lambda d: None)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    req = request(o, "sync-early", PROMPTS[1])
+    with no_host_sync():
         seq = thinker._admit(req, media=(None, None, None))
         chunk = early_prompt(seq)
         rows = prompt_embeds_batch(talker.talker, talker.tokens, [talker._source(chunk)])[0][:-1]
         first = seq.embeds[-1].to(talker.dtype)
         row = first_token_row(talker.talker, talker.tokens, first)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     whole = prompt_embeds(talker.talker, talker.tokens, seq.prompt_ids, seq.embeds.to(talker.dtype), None, first,
                           "Ethan")
     assert isinstance(chunk.prompt.ready, torch.cuda.Event) and chunk.embed is None
@@ -75,14 +85,8 @@ def test_media_admission_does_not_sync_the_device(part: dict) -> None:
 
     o = omni_cuda()
     thinker = o.engine.thinker
-    req = o.engine.make_request("sync-media", [{"role": "user", "content": [part, "What is this?"]}], None,
-                                want_audio=True, voice="Ethan", sampling={"max_tokens": 4},
-                                talker_sampling={"max_frames": 4}, emit=lambda d: None)
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    req = request(o, "sync-media", [part, "What is this?"])
+    with no_host_sync():
         media = encode_media(thinker.thinker, [req.prompt], thinker.device, thinker.dtype, None, thinker.vision)[0]
         seq = thinker._admit(req, media=media)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
     assert seq.has_mm and seq.embeds.is_cuda and seq.embeds.shape[0] == len(req.prompt.input_ids)

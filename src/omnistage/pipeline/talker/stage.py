@@ -106,15 +106,14 @@ class TalkerStage(TalkerAdmission, AsyncOutputStep):
         return sum(rows.shape[0] for _, rows in batch)
 
     def _launch(self, batch: list[tuple[TalkerSeq, torch.Tensor]]) -> Launched | None:
-        def split(rows: torch.Tensor) -> bool:
-            return self.last_row_in_decode and rows.shape[0] > 1
-
-        # prompt rows for their KV alone: an early prompt's before its first token, all but the last with `split`
-        if kv := [(s, r if s.awaiting else r[:-1]) for s, r in batch if s.awaiting or split(r)]:
+        # prompt rows for their KV alone: an early prompt's before its first token, with `last_row_in_decode` a
+        # prompt's rows but the last (which joins the one-row inputs)
+        split = [(s, r, self.last_row_in_decode and r.shape[0] > 1) for s, r in batch]
+        if kv := [(s, r if s.awaiting else r[:-1]) for s, r, cut in split if s.awaiting or cut]:
             self.frame_step.prefill_kv(frame_batch(kv, self.blocks.tables))
             for seq, rows in kv:
                 seq.num_computed += rows.shape[0]
-        batch = [(s, r[-1:] if split(r) else r) for s, r in batch if not s.awaiting]
+        batch = [(s, r[-1:] if cut else r) for s, r, cut in split if not s.awaiting]
         # NOTE: with the runner, prompts and one-row inputs (decodes, a prompt's last row) run apart so the
         # one-row inputs always replay their graph.
         groups = ([[e for e in batch if e[1].shape[0] > 1], [e for e in batch if e[1].shape[0] == 1]]
