@@ -54,3 +54,19 @@ def test_phase_means_from_metrics_text() -> None:
     assert list(means) == ["thinker_start", "first_token", "first_audio"]  # PHASES order; first_frame: no new
     assert means == pytest.approx({"thinker_start": 10.0, "first_token": 300.0, "first_audio": 500.0})
     assert phase_means(after, after) is None and phase_means(None, None) is None
+
+
+def test_the_servers_first_token_and_audio_as_phases() -> None:
+    def text(token: tuple[float, int], audio: tuple[float, int]) -> str:
+        return "".join(f'omnistage_time_to_first_{w}_seconds_bucket{{le="+Inf"}} {n}\n'
+                       f'omnistage_time_to_first_{w}_seconds_sum {s}\n'
+                       f'omnistage_time_to_first_{w}_seconds_count {n}\n' for w, (s, n) in
+                       (("token", token), ("audio", audio)))
+
+    phase = 'omnistage_request_phase_seconds_sum{phase="first_audio"} 1.9\n' \
+            'omnistage_request_phase_seconds_count{phase="first_audio"} 4\n'
+    before = parse_phase_totals(text((0.5, 2), (0.8, 2)))
+    assert before == {"served_token": {"sum": 0.5, "count": 2}, "served_audio": {"sum": 0.8, "count": 2}}
+    means = phase_means(before, parse_phase_totals(text((0.9, 4), (1.6, 6)) + phase))
+    assert list(means) == ["first_audio", "served_token", "served_audio"]  # the handler's after the engine's
+    assert means == pytest.approx({"first_audio": 475.0, "served_token": 200.0, "served_audio": 200.0})

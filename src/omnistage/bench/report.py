@@ -14,7 +14,7 @@ from pathlib import Path
 from omnistage.bench.ablation import plot_ablation
 from omnistage.bench.figures import plot
 from omnistage.bench.realtime_metrics import is_realtime
-from omnistage.bench.stage_stats import PHASES
+from omnistage.bench.stage_stats import PHASES, SERVED_PHASES
 
 RESULTS = "results.json"
 TABLE = "results.md"
@@ -166,10 +166,11 @@ def _stage_lines(rows: list[dict]) -> list[str]:
 
 def _phase_lines(rows: list[dict]) -> list[str]:
     """Mean phase times of the rows that have them, in the phases some row reached (a realtime turn's too)."""
-    cols = [k for k in PHASES if any(k in (r.get("phases_ms") or {}) for r in rows)]
+    cols = [k for k in PHASES + SERVED_PHASES if any(k in (r.get("phases_ms") or {}) for r in rows)]
     return _server_table(rows, "phases_ms", cols, lambda p: [[_cell(p, k, "{:.0f}") for k in cols]],
                          "TTFP's parts (server side: mean ms from the server's engine client taking the request to the "
-                         "first time it reached each phase, over the row's finished requests):")
+                         "first time it reached each phase, over the row's finished requests; served_token / "
+                         "served_audio: its HTTP handler took the first text / audio delta):")
 
 
 def write_report(out_dir: str | Path) -> list[Path]:

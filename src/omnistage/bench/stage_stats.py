@@ -1,7 +1,9 @@
 """Where the server's time goes during one bench row: the per-stage step counters of /metrics
 (`omnistage_stage_{steps,busy_seconds,step_rows,graph_gpu_seconds,graph_replays,graph_captures}_total`,
-`omnistage_kv_block_waits_total`, `omnistage_kv_swaps_total`) and the request
-phase histogram (`omnistage_request_phase_seconds_{sum,count}`) read before and after the row."""
+`omnistage_kv_block_waits_total`, `omnistage_kv_swaps_total`), the request phase histogram
+(`omnistage_request_phase_seconds_{sum,count}`) and the server's first-token and first-audio histograms
+(`omnistage_time_to_first_{token,audio}_seconds_{sum,count}`, as the phases served_token and served_audio: the HTTP
+handler took the first text / audio delta) read before and after the row."""
 
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ import re
 _COUNTER = re.compile(r'^omnistage_(?:stage_)?(steps|busy_seconds|step_rows|graph_gpu_seconds|graph_replays|'
                       r'graph_captures|kv_block_waits|kv_swaps)_total\{stage="([^"]+)"\} (\S+)$', re.M)
 _PHASE = re.compile(r'^omnistage_request_phase_seconds_(sum|count)\{phase="([^"]+)"\} (\S+)$', re.M)
+_SERVED = re.compile(r'^omnistage_time_to_first_(token|audio)_seconds_(sum|count) (\S+)$', re.M)
 _PREEMPT = re.compile(r'^omnistage_realtime_preemptive_responses_total\{outcome="([^"]+)"\} (\S+)$', re.M)
 # the engine's marks (engine/request.py), in the order a text + audio request reaches them; a realtime turn's
 # open request also reaches REALTIME_PHASES (between thinker_start and first_token)
 PHASES = ("prompt_start", "prompt", "encoded", "thinker_start", "turn_end", "close", "closed", "first_token",
           "talker_start", "first_frame", "code2wav_start", "first_audio")
+# where the server's HTTP handler took the first text / audio delta (from the handler's start, just before the
+# engine's arrival): after first_token / first_audio by the way from a stage's thread to the server's event loop
+SERVED_PHASES = ("served_token", "served_audio")
 REALTIME_PHASES = ("turn_end", "close", "closed")
 
 
@@ -28,10 +34,13 @@ def parse_stage_counters(text: str) -> dict[str, dict[str, float]]:
 
 
 def parse_phase_totals(text: str) -> dict[str, dict[str, float]]:
-    """Prometheus text -> {phase: {"sum": seconds, "count": requests}} of the request phase histogram."""
+    """Prometheus text -> {phase: {"sum": seconds, "count": requests}} of the request phase histogram and, as
+    `SERVED_PHASES`, of the server's first-token and first-audio histograms."""
     out: dict[str, dict[str, float]] = {}
     for name, phase, value in _PHASE.findall(text):
         out.setdefault(phase, {})[name] = float(value)
+    for what, name, value in _SERVED.findall(text):
+        out.setdefault(f"served_{what}", {})[name] = float(value)
     return out
 
 
@@ -71,7 +80,8 @@ def phase_means(before: dict | None, after: dict | None) -> dict[str, float] | N
     if after is None:
         return None
     out = {}
-    for phase in sorted(after, key=lambda p: PHASES.index(p) if p in PHASES else len(PHASES)):
+    order = PHASES + SERVED_PHASES
+    for phase in sorted(after, key=lambda p: order.index(p) if p in order else len(order)):
         b = (before or {}).get(phase, {})
         n = after[phase].get("count", 0) - b.get("count", 0)
         if n > 0:
