@@ -168,6 +168,19 @@ def test_workload_hits_the_prompt_length(target):
     assert len({r.sentence for r in reqs}) == 12 and len(load_sentences()) == 1127
 
 
+@pytest.mark.parametrize("target", [160, 640])
+def test_no_request_shares_a_prefix_past_the_system_prompt_unless_repeated(target):
+    counter = token_counter()
+    users = [r.messages[-1]["content"] for r in build_requests(target, 6, 7, counter) +
+             build_requests(target, 6, 7, counter) + build_requests(2 * target, 6, 7, counter)]
+    assert all(re.match(r"\[\d{6}\] \S", u) for u in users), users  # each opens with its tag
+    assert len({u[:8] for u in users}) == len(users)  # ... a tag of its own: the same rows built again too
+    again = [build_requests(target, 6, 7, counter, repeat=True) for _ in range(2)]
+    assert again[0] == again[1] and not again[0][0].messages[-1]["content"].startswith("[")
+    assert [r.prompt_tokens for r in again[0]] == [target] * 6
+    assert build_requests(10, 1, 7, counter)[0] == build_requests(10, 1, 7, counter, repeat=True)[0]  # no room
+
+
 def test_payload_forces_lengths_only_with_random_weights():
     req = build_requests(160, 1, 0, token_counter())[0]
     forced = chat_payload(req, model="m", random_weights=True)

@@ -44,6 +44,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "at c = 1/16/32/64), so a row is mostly steady state rather than one burst of c")
     p.add_argument("--warmup", type=int, default=5, help="requests sent (all at once) before the sweep")
     p.add_argument("--seed", type=int, default=0, help="picks the sentences; request i gets its own seed")
+    p.add_argument("--repeat-prompts", action="store_true",
+                   help="read-aloud: request i of every row the same text (default: each opens with a tag unique "
+                        "to the run, so no row finds an earlier row's prompts in the server's prefix cache)")
     p.add_argument("--random-weights", action="store_true",
                    help="force realistic lengths: text = the sentence's tokens, audio = round(12.5 x duration) "
                         "frames, EOS ignored")

@@ -14,13 +14,11 @@ from __future__ import annotations
 
 import argparse
 import base64
-import itertools
-import time
 from dataclasses import dataclass
 
 from omnistage.bench import media
 from omnistage.bench.media import Media, varied
-from omnistage.bench.workload import BenchRequest, TokenCounter, build_requests, shuffled_pool
+from omnistage.bench.workload import TAGS, BenchRequest, TokenCounter, build_requests, shuffled_pool
 
 MEDIA_WORKLOADS = ("spoken-question", "visual-question", "video", "video-audio")
 SYSTEM_PROMPT = "You are a helpful voice assistant. Answer briefly, in a clear and natural voice."
@@ -30,7 +28,6 @@ QUESTIONS = {"spoken-question": ("Answer the question you hear.",),
              "video": ("What happens in this video?",),
              "video-audio": ("Answer the question asked in the video.",)}
 VIDEO_CLIPS = ("q03", "q04", "q02", "q05")  # the videos' audio tracks (3-6 s spoken questions)
-_TAGS = itertools.count(time.time_ns() // 1000)  # NOTE: from the clock: runs against one server never repeat
 
 
 @dataclass(frozen=True)
@@ -66,7 +63,7 @@ def build_media_requests(workload: str, num: int, seed: int, counter: TokenCount
     out = []
     for i in range(num):
         item, question, sentence = items[i % len(items)], questions[i % len(questions)], pool[i % len(pool)]
-        data = varied(item, None if options.repeat_media else next(_TAGS))
+        data = varied(item, None if options.repeat_media else next(TAGS))
         messages = [{"role": "system", "content": SYSTEM_PROMPT},
                     {"role": "user", "content": [media_part(item, data), {"type": "text", "text": question}]}]
         out.append(BenchRequest(i, sentence, messages, counter.count(SYSTEM_PROMPT) + counter.count(question),
@@ -90,14 +87,14 @@ def workload_requests(args: argparse.Namespace, counter: TokenCounter, prompt_to
                       seed: int) -> list[BenchRequest]:
     """`num` requests of `args.workload` (read-aloud at `prompt_tokens`)."""
     if args.workload == "read-aloud":
-        return build_requests(prompt_tokens, num, seed, counter)
+        return build_requests(prompt_tokens, num, seed, counter, repeat=args.repeat_prompts)
     options = MediaOptions(args.media, args.video_seconds, args.repeat_media)
     return build_media_requests(args.workload, num, seed, counter, options)
 
 
 def media_fields(args: argparse.Namespace) -> dict:
-    """What a media row records of its media beside its workload (nothing for read-aloud)."""
+    """What a media row records of its media beside its workload (read-aloud: whether its prompts repeat)."""
     if args.workload == "read-aloud":
-        return {}
+        return {"repeat_prompts": True} if args.repeat_prompts else {}
     fields = {"media": ",".join(args.media) if args.media else None, "repeat_media": args.repeat_media}
     return fields | ({"video_seconds": args.video_seconds} if args.workload.startswith("video") else {})

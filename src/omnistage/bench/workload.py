@@ -5,14 +5,19 @@ to read. `prompt_tokens` counts the tokens of the message texts (system + user),
 ~13 framing tokens; the server's own count comes back in `usage`. Longer prompts get more context; when
 the sentence alone is longer than the target it is truncated, and the system prompt goes in only when it
 fits whole. With random weights the outputs are forced to realistic lengths: text = the sentence's
-tokens, audio = round(12.5 x the human reading time) codec frames.
+tokens, audio = round(12.5 x the human reading time) codec frames. Unless `repeat`, the user's text opens with a
+tag unique to the run (`TAGS`), so no request shares a prefix with another past the system prompt (a repeated
+request of an earlier row would find its prompt in the server's prefix cache, as distinct users' prompts do not);
+prompts under twice the tag's tokens (P = 10) carry none.
 """
 
 from __future__ import annotations
 
 import csv
+import itertools
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -21,6 +26,7 @@ POOL = Path(__file__).parents[1] / "data" / "librispeech_pc_test_clean.tsv"
 FRAMES_PER_SECOND = 12.5
 SYSTEM_PROMPT = ("You are a text-to-speech voice. Read the last sentence of the user's message aloud, "
                  "exactly as written, in a clear and natural voice, and say nothing else.")
+TAGS = itertools.count(time.time_ns() // 1000)  # NOTE: from the clock: runs against one server never repeat
 
 
 @dataclass(frozen=True)
@@ -119,15 +125,17 @@ def _context(pool: list[Sentence], start: int, n: int, counter: TokenCounter) ->
     return counter.truncate(" ".join(parts), n).rstrip()
 
 
-def _prompt(pool: list[Sentence], pos: int, target: int, counter: TokenCounter) -> tuple[list[dict], int]:
-    sentence = counter.truncate(pool[pos].text, target)
-    room = target - counter.count(sentence)
+def _prompt(pool: list[Sentence], pos: int, target: int, counter: TokenCounter, tag: str = ""
+            ) -> tuple[list[dict], int]:
+    tag = tag if 2 * counter.count(tag) <= target else ""
+    sentence = counter.truncate(pool[pos].text, target - counter.count(tag))
+    room = target - counter.count(sentence) - counter.count(tag)
     system = SYSTEM_PROMPT if room >= counter.count(SYSTEM_PROMPT) else None
     room -= counter.count(system) if system else 0
     user, size = sentence, target
     for _ in range(3):  # NOTE: joining texts can merge or split a token at the seam; correct by the error
         context = _context(pool, pos + 1, room, counter)
-        user = f"{context} {sentence}" if context else sentence
+        user = " ".join(t for t in (tag, context, sentence) if t)
         size = counter.count(user) + (counter.count(system) if system else 0)
         if size == target or not context:
             break
@@ -137,14 +145,16 @@ def _prompt(pool: list[Sentence], pos: int, target: int, counter: TokenCounter) 
 
 
 def build_requests(prompt_tokens: int, num: int, seed: int, counter: TokenCounter,
-                   sentences: list[Sentence] | None = None) -> list[BenchRequest]:
+                   sentences: list[Sentence] | None = None, repeat: bool = False) -> list[BenchRequest]:
     """`num` requests over a seeded shuffle of the pool; the same seed gives the same sentences at every
-    prompt length and concurrency."""
+    prompt length and concurrency (`repeat`: the same texts too, untagged)."""
     pool = shuffled_pool(seed, sentences)
+    tags: Iterator[int] | None = None if repeat else TAGS
     out = []
     for i in range(num):
         pos = i % len(pool)
-        messages, size = _prompt(pool, pos, prompt_tokens, counter)
+        tag = "" if tags is None else f"[{next(tags) % 10**6:06d}]"  # NOTE: six digits, a token each
+        messages, size = _prompt(pool, pos, prompt_tokens, counter, tag)
         out.append(BenchRequest(i, pool[pos], messages, size, counter.count(pool[pos].text), seed * 100_003 + i))
     return out
 
