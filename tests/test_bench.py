@@ -260,3 +260,25 @@ def test_bench_end_to_end_against_the_tiny_server_and_the_peer(server, tiny_dir,
     for name in ("throughput.png", "ttfp.png", "rtf.png"):
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000
+
+
+def test_a_row_finds_an_earlier_rows_prompts_in_the_prefix_cache_only_when_repeated(server, tiny_dir, tmp_path):
+    def thinker_cache() -> tuple[float, float]:  # prompt tokens looked up and found (the server's counters)
+        text = httpx.get(server.url + "/metrics").text
+        found = [re.search(rf'^omnistage_prefix_cache_{k}_total{{stage="thinker"}} (\S+)$', text, re.M)
+                 for k in ("queries", "hits")]
+        return float(found[0][1]), float(found[1][1])
+
+    def row_hit_share(*flags: str) -> float:  # the share of a row's looked-up prompt tokens the cache had
+        before = thinker_cache()
+        assert _bench("--base-url", server.url, "--random-weights", "--tokenizer", str(tiny_dir), "--prompt-tokens",
+                      "160", "--concurrency", "1", "--num-prompts", "2", "--warmup", "0", "--max-tokens", "1",
+                      "--max-frames", "2", "--output-dir", str(tmp_path), *flags) == 0
+        queries, hits = (a - b for a, b in zip(thinker_cache(), before))
+        assert queries >= 2 * 144  # two prompts of 9+ full blocks of 16
+        return hits / queries
+
+    tagged = [row_hit_share() for _ in range(2)]
+    repeated = [row_hit_share("--repeat-prompts") for _ in range(2)]
+    assert max(tagged) < 0.35  # the system prompt's blocks (3 of 10): each row's prompts are new
+    assert repeated[1] > 0.85  # all but each prompt's last block: the row before sent the same prompts
