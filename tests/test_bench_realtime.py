@@ -6,12 +6,14 @@ from __future__ import annotations
 import argparse
 import json
 
+import numpy as np
 import pytest
 
 from omnistage.bench.cli import add_bench_args, run_bench
 from omnistage.bench.realtime import realtime_url, session_patch
 from omnistage.bench.realtime_metrics import Turn, summarize_turns
 from omnistage.bench.report import RESULTS, TABLE, markdown
+from omnistage.bench.speech import speech_clip, speech_only, turn_clips
 
 pytest_plugins = ["serve_fixtures"]
 
@@ -77,3 +79,14 @@ def test_realtime_bench_against_the_tiny_server(server, tmp_path):
     phases = row["phases_ms"]  # the server's phase means over the row's answers (/metrics before and after)
     assert 0 < phases["first_token"] <= phases["first_frame"] <= phases["first_audio"]
     assert row["stages"]["thinker"]["steps_per_s"] > 0
+
+
+def test_each_turn_speaks_its_own_variant_of_the_clip_unless_repeated() -> None:
+    pcm = speech_only(speech_clip("question_2s"))
+    clips = turn_clips(pcm, 3) + turn_clips(pcm, 3)  # two sessions' turns
+    assert len({c.tobytes() for c in clips}) == 6 and all(c.shape == pcm.shape for c in clips)
+    for c in clips:  # two samples a few LSB nearer zero: the same speech, the same end
+        moved = np.flatnonzero(c != pcm)
+        assert moved.size == 2 and np.all(np.abs(c[moved].astype(int)) < np.abs(pcm[moved].astype(int)))
+        assert np.all(np.abs(c[moved].astype(int) - pcm[moved]) <= 64) and speech_only(c).size == pcm.size
+    assert all(c is pcm for c in turn_clips(pcm, 2, repeat=True))

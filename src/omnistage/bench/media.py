@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, ImageOps
 
-from omnistage.bench.speech import SPEECH_DIR
+from omnistage.bench.speech import SPEECH_DIR, nudged
 from omnistage.media.decode import AUDIO_INPUT_RATE, decode_audio_bytes
 
 PHOTO_DIR = Path(__file__).parents[1] / "data" / "photos"
@@ -94,7 +94,7 @@ def _video(photo_name: str, clip: str, seconds: float, tag: int | None) -> Media
     wav, samples = decode_audio_bytes(spoken_clip(clip).data), round(seconds * AUDIO_INPUT_RATE)
     wav = np.pad(wav, (0, max(0, samples - wav.size)))[:samples]
     if tag is not None:
-        wav = _nudged((wav * 32767).astype(np.int16), tag).astype(np.float32) / 32767
+        wav = nudged((wav * 32767).astype(np.int16), tag).astype(np.float32) / 32767
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
         stream = out.add_stream("mpeg4", rate=VIDEO_FPS)
@@ -133,7 +133,7 @@ def varied(media: Media, tag: int | None) -> bytes:
 
         wav, rate = sf.read(io.BytesIO(media.data), dtype="int16")
         buf = io.BytesIO()
-        sf.write(buf, _nudged(wav, tag), rate, format=media.format.upper(), subtype="PCM_16")
+        sf.write(buf, nudged(wav, tag), rate, format=media.format.upper(), subtype="PCM_16")
         return buf.getvalue()
     if media.mime == "video/mp4":
         photo_name, clip = media.name.split("+")
@@ -144,11 +144,3 @@ def varied(media: Media, tag: int | None) -> bytes:
 def _colour(tag: int) -> list[int]:
     """An 8x8 corner block's colour: far apart for consecutive tags (JPEG keeps it)."""
     return [tag * 37 % 256, tag * 101 % 256, tag * 173 % 256]
-
-
-def _nudged(wav: np.ndarray, tag: int) -> np.ndarray:
-    """The two loudest samples moved towards zero by 1-64 LSB each: 4096 variants."""
-    out = wav.copy()
-    for i, step in zip(np.argsort(-np.abs(out.astype(np.int32)))[:2], (1 + tag % 64, 1 + tag // 64 % 64)):
-        out[i] -= int(np.sign(out[i])) * step
-    return out

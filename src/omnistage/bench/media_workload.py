@@ -79,8 +79,8 @@ def add_media_args(p: argparse.ArgumentParser) -> None:
                         "but phone; video: the four shipped photos)")
     p.add_argument("--video-seconds", type=float, default=4.0, help="video workloads: the videos' length")
     p.add_argument("--repeat-media", action="store_true",
-                   help="media workloads: send an item's bytes unchanged each time (default: each request's "
-                        "bytes carry a fresh tag, so a server's media cache never hits)")
+                   help="media workloads and realtime turns: send an item's bytes unchanged each time (default: "
+                        "each request's or turn's media carry a fresh tag: the server's caches never find another's)")
 
 
 def workload_requests(args: argparse.Namespace, counter: TokenCounter, prompt_tokens: int | None, num: int,

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from omnistage.bench.realtime_metrics import Turn, summarize_turns
-from omnistage.bench.speech import speech_clip, speech_only
+from omnistage.bench.speech import speech_clip, speech_only, turn_clips
 from omnistage.outputs import SAMPLE_RATE
 
 PCM = {"type": "audio/pcm", "rate": SAMPLE_RATE}
@@ -182,10 +182,10 @@ async def _row(args, model: str | None, sessions: int, clip: str, turns: int) ->
     pcm = speech_only(speech_clip(clip))  # the speech end is its last sample sent
 
     async def one(k: int) -> tuple[list[Turn], Session]:
+        clips = turn_clips(pcm, turns, args.repeat_media)
         async with connect(args, model) as session:
             await asyncio.sleep(0.5 + args.stagger_s * k / max(1, sessions))
-            return await converse(session, [pcm] * turns, args.barge_in_every, args.turn_gap_s,
-                                  args.turn_timeout), session
+            return await converse(session, clips, args.barge_in_every, args.turn_gap_s, args.turn_timeout), session
 
     start = time.perf_counter()
     results = await asyncio.gather(*[one(k) for k in range(sessions)])
