@@ -14,6 +14,7 @@ from omnistage.bench.realtime import realtime_url, session_patch
 from omnistage.bench.realtime_metrics import Turn, summarize_turns
 from omnistage.bench.report import RESULTS, TABLE, markdown
 from omnistage.bench.speech import speech_clip, speech_only, turn_clips
+from omnistage.bench.stage_stats import SERVED_PHASES
 
 pytest_plugins = ["serve_fixtures"]
 
@@ -78,6 +79,7 @@ def test_realtime_bench_against_the_tiny_server(server, tmp_path):
     assert "| question_2s |" in (tmp_path / TABLE).read_text()
     phases = row["phases_ms"]  # the server's phase means over the row's answers (/metrics before and after)
     assert 0 < phases["first_token"] <= phases["first_frame"] <= phases["first_audio"]
+    assert not set(SERVED_PHASES) & set(phases)  # a response's clock starts later than its request's arrival
     assert row["stages"]["thinker"]["steps_per_s"] > 0
 
 

@@ -233,7 +233,7 @@ async def realtime_sweep(args, model: str | None, client=None) -> list[dict]:
                 rows.append(await _row(args, model, c, clip, args.turns))
                 if client is not None:
                     after = await scrape_server_counters(client)
-                    rows[-1].update(row_server_stats(before, after, rows[-1]["duration_s"]))
+                    rows[-1].update(row_server_stats(before, after, rows[-1]["duration_s"], served=False))
                 _print_row(rows[-1])
     return rows
 

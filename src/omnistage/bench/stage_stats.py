@@ -62,12 +62,17 @@ async def scrape_server_counters(client) -> dict[str, dict[str, dict[str, float]
             "preemptive": parse_preemptive(r.text)}
 
 
-def row_server_stats(before: dict | None, after: dict | None, wall_s: float) -> dict[str, dict | None]:
-    """A row's "stages" (`stage_summary`), "phases_ms" (`phase_means`) and, where realtime responses were
-    started at pauses, "preemptive" ({"used", "dropped"} over the row) from scrapes before and after it."""
+def row_server_stats(before: dict | None, after: dict | None, wall_s: float, served: bool = True
+                     ) -> dict[str, dict | None]:
+    """A row's "stages" (`stage_summary`), "phases_ms" (`phase_means`; `served`: with `SERVED_PHASES`, which a
+    realtime row leaves out: its responses' clocks start at the response, not at the request's arrival) and,
+    where realtime responses were started at pauses, "preemptive" ({"used", "dropped"} over the row) from
+    scrapes before and after it."""
     b, a = before or {}, after or {}
-    out = {"stages": stage_summary(b.get("stages"), a.get("stages"), wall_s),
-           "phases_ms": phase_means(b.get("phases"), a.get("phases"))}
+    phases = phase_means(b.get("phases"), a.get("phases"))
+    if phases and not served:
+        phases = {k: v for k, v in phases.items() if k not in SERVED_PHASES} or None
+    out = {"stages": stage_summary(b.get("stages"), a.get("stages"), wall_s), "phases_ms": phases}
     moved = {k: v - b.get("preemptive", {}).get(k, 0.0) for k, v in a.get("preemptive", {}).items()}
     if any(moved.values()):
         out["preemptive"] = {k: moved.get(k, 0.0) for k in ("used", "dropped")}
