@@ -42,6 +42,13 @@ def engines():
         yield pair
 
 
+def test_the_stages_are_built_for_the_placement_asked_for(engines) -> None:
+    # NOTE: what the stages gate on it (a CUDA event the thinker hands the talker cannot cross processes)
+    remote, local = engines
+    assert (remote.engine.deploy.placement, local.engine.deploy.placement) == ("process", "local")
+    assert remote.engine.placement == "process" and deploy(tiny_checkpoint("tiny")).placement == "local"
+
+
 def rows(o: Omni, before: dict) -> dict[str, int]:
     after = o.engine.stats()
     return {name: after[name]["step_rows"] - before[name]["step_rows"] for name in REPLICAS}

@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +47,8 @@ class Orchestrator:
         self.config = load_config(model_dir)
         self.deploy = with_checkpoint_quantization(deploy or load_deploy_config(default_deploy_config(model_dir)),
                                                    model_dir)
+        if placement is not None:  # NOTE: the stages read it (what may cross between their processes)
+            self.deploy = replace(self.deploy, placement=placement)
         p = Placement(self.config, self.deploy, model_dir, load_format, device, dtype, seed)
         args = (model_dir, media_policy, self.deploy.mm_processor_kwargs, p.place("thinker")[1])  # NOTE: its dtype
         self.processor = PromptProcessor(*args)
@@ -54,7 +57,7 @@ class Orchestrator:
         self.requests: dict[str, Request] = {}
         self.routing = StageRouting(self.deploy)
         args = (p, self.processor.tokenizer, self.routing.to_talker, self.routing.to_code2wav, self._on_error)
-        self.placement = placement or self.deploy.placement
+        self.placement = self.deploy.placement
         self.stages = self._build(args)
         self.routing.bind(self.stages)
         self._done = threading.Condition()
