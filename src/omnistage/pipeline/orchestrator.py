@@ -57,7 +57,6 @@ class Orchestrator:
         self.requests: dict[str, Request] = {}
         self.routing = StageRouting(self.deploy)
         args = (p, self.processor.tokenizer, self.routing.to_talker, self.routing.to_code2wav, self._on_error)
-        self.placement = self.deploy.placement
         self.stages = self._build(args)
         self.routing.bind(self.stages)
         self._done = threading.Condition()
@@ -72,6 +71,7 @@ class Orchestrator:
             return build_stages(*args)
         return build_remote(self.placement, *args, lookup=self.requests.get, on_state=self.routing.set_up)
 
+    placement = property(lambda self: self.deploy.placement)
     # NOTE: the stage objects and their workers exist in this process with the local placement only.
     thinker = property(lambda self: self.stages.thinkers[0].stage)
     thinkers = property(lambda self: [h.stage for h in self.stages.thinkers])
