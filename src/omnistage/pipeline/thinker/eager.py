@@ -15,7 +15,7 @@ from omnistage.models.qwen3_omni.rope_index import flat_positions
 from omnistage.pipeline.prefill_graph import PrefillGraphRunner
 from omnistage.pipeline.thinker.inputs import step_deepstack
 from omnistage.pipeline.thinker.runner import sample_tokens
-from omnistage.pipeline.thinker.seq import ThinkerSeq
+from omnistage.pipeline.thinker.seq import Sampled, ThinkerSeq
 
 
 class ThinkerEagerStep:
@@ -25,8 +25,7 @@ class ThinkerEagerStep:
         self.thinker, self.blocks, self.penalties, self.prefill = thinker, blocks, penalties, prefill
         self.accept_layer, self.device = accept_layer, next(thinker.parameters()).device
 
-    def __call__(self, batch: list[tuple[ThinkerSeq, int]]
-                 ) -> list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]:
+    def __call__(self, batch: list[tuple[ThinkerSeq, int]]) -> list[Sampled]:
         """An eager step over any mix of decodes and prefill chunks; samples the rows that need a token."""
         if not batch:
             return []
@@ -61,8 +60,7 @@ class ThinkerEagerStep:
         with forward_context(ctx):
             return self.thinker.model(rows, positions, capture, deepstack)
 
-    def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor
-                ) -> tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]:
+    def _sample(self, samplers: list[tuple[ThinkerSeq, int]], hidden: torch.Tensor) -> Sampled:
         seqs = [s for s, _ in samplers]
         logits = self.thinker.compute_logits(hidden[to_device([i for _, i in samplers], torch.long, self.device)])
         st = SamplingTensors.build([s.req.sampling for s in seqs], [s.req.seed for s in seqs], self.device)
@@ -71,5 +69,5 @@ class ThinkerEagerStep:
                                        to_device([s.slot for s in seqs], torch.long, self.device))
         for seq in seqs:
             seq.num_sampled += 1
-        return seqs, tokens, embeds
+        return Sampled(seqs, tokens, embeds)
 

@@ -71,19 +71,34 @@ class ThinkerSeq:
 
 
 @dataclass
-class Launched:
-    """A launched thinker step: the rows that sampled a token (`seqs`, in order), the tokens and their
-    embeddings on the device, and the tokens on their way to the host."""
+class Sampled:
+    """Rows of a launched step sampled by one run (the decode graph, or the eager step's prefill chunks): their
+    tokens and embeddings on the device, and the tokens on their way to the host. Made right after its run is
+    launched, so its copy is ready when that run is, before the runs launched after it."""
 
     seqs: list[ThinkerSeq]
     tokens: torch.Tensor  # [n]
     embeds: torch.Tensor  # [n, H]
-    host: HostCopy
+    host: HostCopy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.host = HostCopy(self.tokens)
+
+
+@dataclass
+class Launched:
+    """A launched thinker step: its runs' sampled rows, in launch order (`parts`)."""
+
+    parts: list[Sampled]
 
     @classmethod
-    def of(cls, runs: list[tuple[list[ThinkerSeq], torch.Tensor, torch.Tensor]]) -> Launched | None:
-        if not runs:
-            return None
-        tokens = torch.cat([t for _, t, _ in runs])
-        return cls([s for seqs, _, _ in runs for s in seqs], tokens, torch.cat([e for _, _, e in runs]),
-                   HostCopy(tokens))
+    def of(cls, parts: list[Sampled]) -> Launched | None:
+        return cls(parts) if parts else None
+
+    @property
+    def seqs(self) -> list[ThinkerSeq]:
+        return [s for p in self.parts for s in p.seqs]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        return self.parts[0].tokens if len(self.parts) == 1 else torch.cat([p.tokens for p in self.parts])

@@ -32,7 +32,7 @@ from omnistage.pipeline.thinker.growth import PromptPiece
 from omnistage.pipeline.thinker.prefix import register_prefix
 from omnistage.pipeline.thinker.runner import ThinkerGraphRunner
 from omnistage.pipeline.thinker.scheduler import ThinkerScheduler
-from omnistage.pipeline.thinker.seq import Launched, ThinkerSeq
+from omnistage.pipeline.thinker.seq import Launched, Sampled, ThinkerSeq
 from omnistage.pipeline.thinker.vision_graph import VISION_FRAMES, VISION_ROWS, VisionGraphRunner
 
 
@@ -147,17 +147,19 @@ class ThinkerStage(AsyncOutputStep, ThinkerAdmission):
             self._drain()  # (a request it ended, or whose token failed to complete, leaves this step)
             return Launched.of(self.eager([(s, n) for s, n in batch
                                               if not s.released and len(s.output_ids) == s.num_sampled]))
-        # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly beside them.
+        # NOTE: the decode rows replayed their graph; prefill chunks of the same step run eagerly after them.
         for seq in seqs:
             seq.num_computed += 1
             seq.num_sampled += 1
-        return Launched.of([(seqs, *out), *self.eager(prefills)])
+        decoded = Sampled(seqs, *out)  # NOTE: before the prefill's launch: its tokens go on when the graph is done
+        return Launched.of([decoded, *self.eager(prefills)])
 
     def _complete(self, launched: Launched) -> None:
-        # NOTE: the one host sync of the step; it also makes the embeddings ready for the talker's stream.
-        for i, (seq, token) in enumerate(zip(launched.seqs, launched.host.tolist())):
-            if not seq.released:  # not ended (or aborted) since its launch
-                self.faults.run(seq.req, self._append, seq, token, launched.embeds[i])
+        # NOTE: the step's host syncs, one a run; each also makes its embeddings ready for the talker's stream.
+        for part in launched.parts:
+            for seq, token, embed in zip(part.seqs, part.host.tolist(), part.embeds):
+                if not seq.released:  # not ended (or aborted) since its launch
+                    self.faults.run(seq.req, self._append, seq, token, embed)
 
     def _append(self, seq: ThinkerSeq, token: int, embed: torch.Tensor) -> None:
         text, stopped, done = seq.append(token, self.eos_ids)
