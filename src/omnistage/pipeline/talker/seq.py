@@ -53,20 +53,23 @@ class TalkerSeq:
 
 
 @dataclass
+class Run:
+    """One run of a launched talker step: its seqs and input rows, frames [B, G] on the device, and codebook 0 on
+    its way to the host. Made right after its run is launched, so its copy is ready before the runs after it."""
+
+    group: list[tuple[TalkerSeq, torch.Tensor]]
+    frames: torch.Tensor
+    c0: HostCopy = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.c0 = HostCopy(self.frames[:, 0])
+
+
+@dataclass
 class Launched:
-    """A launched talker step: per run its (seqs and input rows, frames [B, G] on the device), and
-    codebook 0 of every row on its way to the host."""
+    """A launched talker step: its runs in launch order (prompts, then one-row inputs)."""
 
-    runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]
-    c0: HostCopy
-
-    @classmethod
-    def of(cls, runs: list[tuple[list[tuple[TalkerSeq, torch.Tensor]], torch.Tensor]]) -> Launched:
-        return cls(runs, HostCopy(torch.cat([frames[:, 0] for _, frames in runs])))
-
-    def codes0(self) -> list[int]:
-        """Codebook 0 of every row in run order (waits for the step on the device: the one host sync)."""
-        return self.c0.tolist()
+    runs: list[Run]
 
 
 def frame_batch(batch: list[tuple[TalkerSeq, torch.Tensor]], tables: dict[str, list[int]]) -> FrameBatch:

@@ -25,7 +25,7 @@ from omnistage.pipeline.talker.frame_step import TalkerFrameStep
 from omnistage.pipeline.talker.prefix import register_prefix
 from omnistage.pipeline.talker.runner import TalkerGraphRunner
 from omnistage.pipeline.talker.scheduler import TalkerScheduler
-from omnistage.pipeline.talker.seq import Launched, TalkerSeq, frame_batch
+from omnistage.pipeline.talker.seq import Launched, Run, TalkerSeq, frame_batch
 
 
 class TalkerStage(TalkerAdmission, AsyncOutputStep):
@@ -129,16 +129,14 @@ class TalkerStage(TalkerAdmission, AsyncOutputStep):
                 if not seq.prefilled:
                     seq.prefilled = True
                     register_prefix(self.blocks, seq)
-            runs.append((group, frames))
-        return Launched.of(runs) if runs else None
+            runs.append(Run(group, frames))  # NOTE: its copy before the next run's launch: its frames go on first
+        return Launched(runs) if runs else None
 
     def _complete(self, launched: Launched) -> None:
-        c0 = iter(launched.codes0())
-        for group, frames in launched.runs:
-            for i, (seq, _) in enumerate(group):
-                code = next(c0)
+        for run in launched.runs:  # NOTE: a host sync a run; a prompt's first frame needs not wait for the decodes
+            for (seq, _), frame, code in zip(run.group, run.frames, run.c0.tolist()):
                 if self.seqs.get(seq.req.request_id) is seq:  # not ended (or aborted) since its launch
-                    self.faults.run(seq.req, self._advance, seq, frames[i], code)
+                    self.faults.run(seq.req, self._advance, seq, frame, code)
 
     def _advance(self, seq: TalkerSeq, frame: torch.Tensor, c0: int) -> None:
         if c0 == self.talker.codec_eos:
